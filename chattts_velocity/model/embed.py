@@ -1,0 +1,54 @@
+"""ChatTTS input embeddings and output heads (``asset/Embed.safetensors``).
+
+State-dict keys equal upstream's: ``emb_code.{q}.weight``, ``emb_text.weight`` and the weight-norm parametrised
+heads ``head_text`` / ``head_code.{q}`` (``parametrizations.weight.original0`` = g, ``original1`` = v).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+
+class Embed(nn.Module):
+    def __init__(self, hidden_size: int, num_audio_tokens: int, num_text_tokens: int, num_vq: int = 4):
+        super().__init__()
+        self.num_vq = num_vq
+        self.emb_code = nn.ModuleList(nn.Embedding(num_audio_tokens, hidden_size) for _ in range(num_vq))
+        self.emb_text = nn.Embedding(num_text_tokens, hidden_size)
+        self.head_text = weight_norm(nn.Linear(hidden_size, num_text_tokens, bias=False), name="weight")
+        self.head_code = nn.ModuleList(
+            weight_norm(nn.Linear(hidden_size, num_audio_tokens, bias=False), name="weight") for _ in range(num_vq)
+        )
+
+    def forward(self, input_ids: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
+        """Prompt embeddings: text positions use ``emb_text`` of codebook 0, audio positions sum the 4 codes.
+
+        input_ids [B, T, num_vq], text_mask [B, T] bool -> [B, T, H]
+        """
+        emb_text = self.emb_text(input_ids[text_mask][:, 0])  # [Nt, H]
+        codes = input_ids[~text_mask]  # [Na, num_vq]
+        # stack+sum (not a running sum): the same reduction order as upstream, so the bits match.
+        emb_code = torch.stack([self.emb_code[q](codes[:, q]) for q in range(self.num_vq)], 2).sum(2)  # [Na, H]
+        emb = torch.zeros(input_ids.shape[:-1] + (emb_text.shape[-1],), dtype=emb_text.dtype, device=emb_text.device)
+        emb[text_mask] = emb_text
+        emb[~text_mask] = emb_code.to(emb.dtype)
+        return emb
+
+    def embed_step(self, ids: torch.Tensor, text_mode: bool) -> torch.Tensor:
+        """Embeddings of freshly sampled tokens. ids [B, T, num_vq] -> [B, T, H]."""
+        if text_mode:
+            return self.emb_text(ids[:, :, 0])
+        return torch.stack([self.emb_code[q](ids[:, :, q]) for q in range(self.num_vq)], 3).sum(3)
+
+    def code_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., num_audio_tokens, num_vq] (float32)."""
+        with parametrize.cached():
+            return torch.stack([head(hidden).float() for head in self.head_code], -1)
+
+    def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., num_text_tokens] (float32)."""
+        with parametrize.cached():
+            return self.head_text(hidden).float()

@@ -1,0 +1,161 @@
+"""Reference decode: upstream ChatTTS's per-batch loop over transformers' ``LlamaModel``, step for step.
+
+It reproduces upstream exactly, seeding included (the generator is re-seeded with ``manual_seed`` at every step
+and samples the whole [B*num_vq, V] matrix at once), so parity with the ``chattts`` package can be proven. It is
+the ``use_velocity=False`` path and the baseline of every benchmark; it is deliberately not optimised.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from .model.gpt import ChatGPT, position_ids_from_mask
+from .sampling.processors import process_logits
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """Sampling settings of one reference call (the whole batch shares them, as upstream)."""
+
+    text_mode: bool
+    """Refine (text tokens) instead of audio codes."""
+    temperature: tuple[float, ...]
+    """One per codebook (audio) or one (text)."""
+    top_p: float | None
+    top_k: int | None
+    repetition_penalty: float | None
+    max_new_token: int
+    min_new_token: int
+    eos_id: int
+    penalty_row_cap: int | None
+    """Upstream's row cap on penalty counts (see ``repetition_penalty``)."""
+    manual_seed: int | None = None
+    ensure_non_empty: bool = True
+    stream_batch: int = 24
+    show_tqdm: bool = True
+
+
+@dataclass
+class GenerationOutput:
+    """Per sequence: generated ids ([T_i, num_vq] audio, [T_i] text) and the hidden states that produced them."""
+
+    ids: list[torch.Tensor]
+    hiddens: list[torch.Tensor]
+    finished: list[bool] = field(default_factory=list)
+
+
+class _Retry(Exception):
+    """An empty result at step 0 without a seed: upstream starts over."""
+
+
+@torch.inference_mode()
+def reference_generate(
+    gpt: ChatGPT,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    text_mask: torch.Tensor,
+    settings: DecodeSettings,
+    spk_id: int | None = None,
+    spk_vec: torch.Tensor | None = None,
+    stream: bool = False,
+    interrupted: Callable[[], bool] = lambda: False,
+) -> Iterator[GenerationOutput]:
+    """Yield partial outputs every ``stream_batch`` steps when ``stream``, then the final output."""
+    emb = gpt.prompt_embeddings(input_ids, text_mask, spk_id, spk_vec)  # [B, T0, H]
+    while True:
+        try:
+            yield from _attempt(gpt, emb, input_ids, attention_mask, settings, stream, interrupted)
+            return
+        except _Retry:
+            logger.warning("regenerate in order to ensure non-empty")
+
+
+def _attempt(gpt, emb, input_ids, attention_mask, s: DecodeSettings, stream, interrupted):
+    B, T0, num_vq = input_ids.shape
+    device = input_ids.device
+    buf = torch.zeros(B, T0 + s.max_new_token, num_vq, dtype=input_ids.dtype, device=device)
+    buf[:, :T0] = input_ids
+    mask = torch.ones(B, T0 + s.max_new_token, dtype=torch.bool, device=device)
+    mask[:, :T0] = attention_mask.bool()
+    rows = B if s.text_mode else B * num_vq
+    temperature = torch.tensor(s.temperature, device=device).unsqueeze(0).expand(B, -1).reshape(rows, 1)
+    gen = torch.Generator(device=device)
+    finish = torch.zeros(B, dtype=torch.bool, device=device)
+    end_idx = torch.zeros(B, dtype=torch.long, device=device)
+    hiddens: list[torch.Tensor] = []
+    cache, stream_iter = None, 0
+    pbar = tqdm(total=s.max_new_token, desc="text" if s.text_mode else "code", disable=not s.show_tqdm,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}(max) [{elapsed}, {rate_fmt}{postfix}]")
+    T = T0
+    for i in range(s.max_new_token):
+        step_mask = mask[:, :T]
+        if i == 0:
+            x, pos, cache_pos = emb, position_ids_from_mask(step_mask), torch.arange(T, device=device)
+        else:
+            x = gpt.embed.embed_step(buf[:, T - 1 : T], s.text_mode)
+            pos = position_ids_from_mask(step_mask)[:, -1:]
+            cache_pos = torch.arange(T - 1, T, device=device)
+        hidden, cache = gpt.hidden_states(x, step_mask, pos, cache, cache_pos)  # [B, t, H]
+        hiddens.append(hidden[:, -1])
+        logits, history = _step_logits(gpt, hidden, buf[:, T0:T], s.text_mode)
+        logits = process_logits(logits, history, temperature, s.top_p, s.top_k, s.repetition_penalty,
+                                i < s.min_new_token, s.eos_id, s.penalty_row_cap)
+        scores = torch.softmax(logits, dim=-1)
+        g = gen.manual_seed(s.manual_seed) if s.manual_seed is not None else None
+        idx = torch.multinomial(scores, num_samples=1, generator=g)  # [rows, 1]
+        idx = idx.view(B, 1).expand(B, num_vq) if s.text_mode else idx.view(B, num_vq)
+        finish |= idx.eq(s.eos_id).any(1)
+        buf[:, T] = idx
+        if i == 0 and finish.any():
+            logger.warning("unexpected end at index %s", finish.nonzero().flatten().tolist())
+            if s.ensure_non_empty and s.manual_seed is None:
+                pbar.close()
+                raise _Retry
+        T += 1
+        alive = ~finish
+        end_idx += alive.long()
+        stream_iter += int(alive.any())
+        if stream and stream_iter > 0 and stream_iter % s.stream_batch == 0:
+            yield _outputs(buf, T0, end_idx, hiddens, s.text_mode, finish)
+        if finish.all() or interrupted():
+            break
+        pbar.update(1)
+    pbar.close()
+    if not finish.all():
+        if interrupted():
+            logger.warning("generation is interrupted")
+        else:
+            logger.warning("incomplete result. hit max_new_token: %d", s.max_new_token)
+    yield _outputs(buf, T0, end_idx, hiddens, s.text_mode, finish)
+
+
+def _step_logits(gpt: ChatGPT, hidden: torch.Tensor, generated: torch.Tensor, text_mode: bool):
+    """Logits of the last position as a [rows, V] matrix and the per-row history of generated ids."""
+    # Heads run on every position and then take the last, as upstream does: same GEMM shapes, same bits.
+    if text_mode:
+        logits = gpt.embed.text_logits(hidden)[:, -1]  # [B, V]
+        return logits, generated[:, :, 0]  # [B, L]
+    logits = gpt.embed.code_logits(hidden)[:, -1]  # [B, V, num_vq]
+    logits = logits.permute(0, 2, 1).reshape(-1, logits.size(1))  # [B*num_vq, V]
+    history = generated.permute(0, 2, 1).reshape(logits.size(0), -1)  # [B*num_vq, L]
+    return logits, history
+
+
+def _outputs(buf, T0, end_idx, hiddens, text_mode, finish) -> GenerationOutput:
+    stacked = torch.stack(hiddens, 1)  # [B, steps, H]
+    n = end_idx.tolist()
+    ids = [buf[b, T0 : T0 + n[b]] for b in range(buf.size(0))]
+    if text_mode:
+        ids = [x[:, 0] for x in ids]
+    return GenerationOutput(
+        ids=[x.clone() for x in ids],
+        hiddens=[stacked[b, : n[b]].clone() for b in range(buf.size(0))],
+        finished=finish.tolist(),
+    )

@@ -1,0 +1,78 @@
+"""The ChatTTS text tokenizer: text to the ``[B, T, num_vq]`` id tensors the GPT reads, and ids back to text."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import BertTokenizerFast
+
+# The Rust tokenizer's thread pool deadlocks in forked workers and warns about it; one text at a time is fast.
+# Read when the pool is first used, so setting it after the import is in time.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
+
+
+class Tokenizer:
+    """Wraps the ``BertTokenizerFast`` in ``path`` (a folder holding ``tokenizer.json`` or ``vocab.txt``)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        path = os.fspath(path)
+        if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+            raise ValueError(
+                f"no tokenizer in {path!r}: expected a folder with one of {', '.join(_TOKENIZER_FILES)} "
+                "(the checkpoint's asset/tokenizer folder)"
+            )
+        self._tokenizer = BertTokenizerFast.from_pretrained(path)
+        self.len = len(self._tokenizer)
+        self.spk_emb_ids = self._tokenizer.convert_tokens_to_ids("[spk_emb]")
+        self.break_0_ids = self._tokenizer.convert_tokens_to_ids("[break_0]")
+        self.eos_token = self._tokenizer.convert_tokens_to_ids("[Ebreak]")
+
+    def ids(self, text: str) -> list[int]:
+        """Token ids of ``text``, without [CLS]/[SEP]."""
+        return self._tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def count(self, text: str) -> int:
+        return len(self.ids(text))
+
+    @torch.inference_mode()
+    def encode(
+        self,
+        text: list[str],
+        num_vq: int,
+        prompt: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded ``input_ids`` [B, T, num_vq] (int64; a text id repeated over the codebooks),
+        ``attention_mask`` [B, T] (int64) and ``text_mask`` [B, T] (bool).
+
+        A voice-sample ``prompt`` of audio codes [num_vq, P] fills the last P positions of every row, where
+        ``text_mask`` is False; upstream-identical layout.
+        """
+        prompt_len = 0
+        if prompt is not None:
+            if prompt.dim() != 2 or prompt.size(0) != num_vq:
+                raise ValueError(
+                    f"prompt must be audio codes of shape [num_vq={num_vq}, length], got {tuple(prompt.shape)}"
+                )
+            prompt_len = prompt.size(1)
+        rows = [self.ids(t) for t in text]
+        width = max((len(r) for r in rows), default=0) + prompt_len
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        mask = torch.zeros(len(rows), width, dtype=torch.int64)
+        text_end = width - prompt_len
+        for i, row in enumerate(rows):
+            ids[i, text_end - len(row) : text_end] = torch.tensor(row, dtype=torch.int64)
+            mask[i, text_end - len(row) :] = 1
+        input_ids = ids.unsqueeze(-1).expand(-1, -1, num_vq).clone()
+        text_mask = mask.bool()
+        if prompt_len:
+            input_ids[:, text_end:] = prompt.t().to(torch.int64)
+            text_mask[:, text_end:] = False
+        return input_ids.to(device), mask.to(device), text_mask.to(device)
+
+    def decode(self, sequences: list[list[int]] | list[torch.Tensor]) -> list[str]:
+        """Text of each id sequence, special tokens kept (they carry the refiner's [uv_break] & co.)."""
+        return self._tokenizer.batch_decode(sequences, skip_special_tokens=False)
