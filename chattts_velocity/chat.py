@@ -128,7 +128,8 @@ class Chat:
         return [np.concatenate(stripped)] if split_text else stripped
 
     def _prepare_texts(self, text, split_text, lang, do_norm, do_homophone) -> list[str]:
-        from .text import split_long, split_text as split_sentences
+        from .text import split_long
+        from .text import split_text as split_sentences
 
         if isinstance(text, str):
             if not text.strip():
@@ -241,11 +242,10 @@ def _settings(params: RefineTextParams, text_mode: bool, eos_id: int, row_cap: i
 
 
 def _last(results: Iterator[GenerationOutput]) -> GenerationOutput:
-    out = None
-    for out in results:
-        pass
-    assert out is not None
-    return out
+    """The final output of a (non-streaming) generation."""
+    outputs = list(results)
+    assert outputs, "reference_generate always yields a final output"
+    return outputs[-1]
 
 
 def _default_device() -> torch.device:

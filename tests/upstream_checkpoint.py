@@ -97,6 +97,9 @@ def write_upstream_checkpoint(root: str, seed: int = 0) -> str:
 
     embed = Embed(HIDDEN, 626, n_text, 4)
     _randomize(embed, gen, scale=3.0)
+    with torch.no_grad():  # a louder EOS row so that sequences end at different steps within a few dozen
+        for head in embed.head_code:
+            head.parametrizations.weight.original0[-1] *= 2.5
     _save(embed, os.path.join(asset, "Embed.safetensors"))
 
     dvae = DVAE(

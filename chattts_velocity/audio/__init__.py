@@ -1,0 +1,9 @@
+"""Audio side of ChatTTS: DVAE (codes <-> mel), Decoder (hidden states -> mel), Vocos (mel -> 24 kHz wav)."""
+
+from __future__ import annotations
+
+from .decode import AudioDecoder
+from .dvae import DVAE, ConvStackConfig, DVAEConfig
+from .vocoder import load_vocos, vocos_state_dict_config
+
+__all__ = ["DVAE", "AudioDecoder", "ConvStackConfig", "DVAEConfig", "load_vocos", "vocos_state_dict_config"]

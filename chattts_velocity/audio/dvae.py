@@ -9,6 +9,7 @@ ConvNeXt dilation (2), the mel hop (256) and sample rate (24 kHz).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ class ConvStackConfig:
 
 @dataclass(frozen=True)
 class DVAEConfig:
-    """A DVAE with codes (``vq_dim`` set) and optionally an encoder, or a Decoder (neither: hidden-state input)."""
+    """DVAE: codes (``vq_dim`` set), optionally an encoder. Decoder: neither, it reads GPT hidden states."""
 
     decoder: ConvStackConfig
     dim: int  # width of the decoder output / out_conv input (and of the encoder input)
@@ -63,21 +64,24 @@ class DVAEConfig:
     n_fft: int = 1024  # of the encoder's mel spectrogram
 
     def __post_init__(self) -> None:
-        problems = [
-            (self.decoder.odim != self.dim, f"decoder.odim {self.decoder.odim} != dim {self.dim}"),
-            (self.encoder is not None and self.encoder.idim != self.dim,
-             f"encoder.idim {self.encoder and self.encoder.idim} != dim {self.dim}"),
-            (self.vq_dim is not None and self.vq_dim != 2 * self.decoder.idim,
-             f"vq_dim {self.vq_dim} != 2 * decoder.idim {self.decoder.idim}"),
-            (self.vq_dim is not None and self.vq_dim % self.groups != 0,
-             f"vq_dim {self.vq_dim} is not divisible by groups {self.groups}"),
-            (self.encoder is not None and self.vq_dim is not None and self.encoder.odim != self.vq_dim,
-             f"encoder.odim {self.encoder and self.encoder.odim} != vq_dim {self.vq_dim}"),
-            (any(level < 2 for level in self.levels), f"every FSQ level must be >= 2, got {self.levels}"),
-        ]
-        for bad, message in problems:
-            if bad:
-                raise ValueError(f"inconsistent DVAE sizes: {message}")
+        problem = next(self._problems(), None)
+        if problem is not None:
+            raise ValueError(f"inconsistent DVAE sizes: {problem}")
+
+    def _problems(self) -> Iterator[str]:
+        enc, dec, vq_dim = self.encoder, self.decoder, self.vq_dim
+        if dec.odim != self.dim:
+            yield f"decoder.odim {dec.odim} != dim {self.dim}"
+        if enc is not None and enc.idim != self.dim:
+            yield f"encoder.idim {enc.idim} != dim {self.dim}"
+        if vq_dim is not None and vq_dim != 2 * dec.idim:  # the decoder reads half a code frame per mel frame
+            yield f"vq_dim {vq_dim} != 2 * decoder.idim {dec.idim}"
+        if vq_dim is not None and vq_dim % self.groups:
+            yield f"vq_dim {vq_dim} is not divisible by groups {self.groups}"
+        if enc is not None and vq_dim is not None and enc.odim != vq_dim:
+            yield f"encoder.odim {enc.odim} != vq_dim {vq_dim}"
+        if any(level < 2 for level in self.levels):
+            yield f"every FSQ level must be >= 2, got {self.levels}"
 
     @classmethod
     def from_state_dict(cls, sd: dict[str, Tensor], name: str) -> DVAEConfig:
@@ -125,7 +129,7 @@ class ConvNeXtBlock(nn.Module):
 
 
 class ConvStack(nn.Module):
-    """Upstream ``DVAEDecoder``: bottleneck conv in, ConvNeXt blocks, 1x1 conv out. [B, idim, T] -> [B, odim, T]."""
+    """Upstream ``DVAEDecoder``: bottleneck conv in, ConvNeXt blocks, 1x1 conv out; [B, idim, T] -> [B, odim, T]."""
 
     def __init__(self, config: ConvStackConfig):
         super().__init__()
@@ -133,7 +137,8 @@ class ConvStack(nn.Module):
         self.conv_in = nn.Sequential(
             nn.Conv1d(c.idim, c.bn_dim, 3, 1, 1), nn.GELU(), nn.Conv1d(c.bn_dim, c.hidden, 3, 1, 1)
         )
-        self.decoder_block = nn.ModuleList(ConvNeXtBlock(c.hidden, c.kernel, c.dilation) for _ in range(c.n_layer))
+        blocks = (ConvNeXtBlock(c.hidden, c.kernel, c.dilation) for _ in range(c.n_layer))
+        self.decoder_block = nn.ModuleList(blocks)
         self.conv_out = nn.Conv1d(c.hidden, c.odim, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -190,7 +195,8 @@ class DVAE(nn.Module):
 
     @torch.inference_mode()
     def decode(self, x: Tensor) -> Tensor:
-        """Codes [B, G*R, T] int (DVAE) or hidden states [B, 2*decoder.idim, T] float (Decoder) -> mel [B, n_mels, 2T]."""
+        """Codes [B, G*R, T] int (DVAE) or hidden states [B, 2*decoder.idim, T] float (Decoder)
+        -> mel [B, n_mels, 2T]. Same as upstream ``DVAE.forward(x, "decode")``; ``x`` is left untouched."""
         feats = self._embed(x) if self.vq_layer is not None else self._check_hiddens(x)  # [B, C, T]
         b, c, t = feats.shape
         # every step carries two mel frames: the two channel halves are consecutive frames
@@ -210,16 +216,18 @@ class DVAE(nn.Module):
     def _embed(self, codes: Tensor) -> Tensor:
         n_vq = self.config.groups * self.config.residuals
         if codes.dim() != 3 or codes.shape[1] != n_vq or codes.is_floating_point() or codes.is_complex():
-            raise ValueError(f"codes must be an int tensor [B, {n_vq}, T], got {codes.dtype} {tuple(codes.shape)}")
+            got = f"{codes.dtype} {tuple(codes.shape)}"
+            raise ValueError(f"codes must be an int tensor [B, {n_vq}, T], got {got}")
         size = self.vq_layer.codebook_size
-        if codes.numel() and (codes.min() < 0 or codes.max() >= size):
+        if ((codes < 0) | (codes >= size)).any():  # one device sync; the message's min/max only on error
             raise ValueError(f"codes must lie in [0, {size}), got [{int(codes.min())}, {int(codes.max())}]")
         return self.vq_layer.decode(codes.to(self.coef.device))  # [B, vq_dim, T]
 
     def _check_hiddens(self, x: Tensor) -> Tensor:
         width = 2 * self.config.decoder.idim
         if x.dim() != 3 or x.shape[1] != width or not x.is_floating_point():
-            raise ValueError(f"hidden states must be a float tensor [B, {width}, T], got {x.dtype} {tuple(x.shape)}")
+            got = f"{x.dtype} {tuple(x.shape)}"
+            raise ValueError(f"hidden states must be a float tensor [B, {width}, T], got {got}")
         return x.to(self.coef)  # [B, H, T]
 
     def _check_wav(self, wav: Tensor) -> None:

@@ -65,11 +65,11 @@ class GroupedResidualFSQ(nn.Module):
     def encode(self, x: Tensor) -> Tensor:
         """Features [B, T, dim] -> indices [G, B, T, R]."""
         chunks = x.chunk(len(self.rvqs), dim=-1)  # G x [B, T, dim/G]
-        return torch.stack([rvq.encode(chunk) for rvq, chunk in zip(self.rvqs, chunks)])
+        return torch.stack([rvq.encode(chunk) for rvq, chunk in zip(self.rvqs, chunks, strict=True)])
 
     def decode(self, indices: Tensor) -> Tensor:
         """Indices [G, B, T, R] -> features [B, T, dim]."""
-        return torch.cat([rvq.decode(ind) for rvq, ind in zip(self.rvqs, indices)], dim=-1)
+        return torch.cat([rvq.decode(ind) for rvq, ind in zip(self.rvqs, indices, strict=True)], dim=-1)
 
 
 class GFSQ(nn.Module):

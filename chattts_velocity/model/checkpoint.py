@@ -105,6 +105,9 @@ def build_modules(size: CheckpointSize, seed: int, tokenizer_dir: str) -> Random
     gpt = ChatGPT(config)
     randomize_(gpt.llama, gen, scale=1.0)
     randomize_(gpt.embed, gen, scale=3.0)
+    with torch.no_grad():  # a louder EOS row: random models then end sentences instead of running to the cap
+        for head in gpt.embed.head_code:
+            head.parametrizations.weight.original0[-1] *= 2.5
     dvae = DVAE(_dvae_config(size.dvae, with_encoder=True))
     decoder = DVAE(_dvae_config(size.decoder, with_encoder=False))
     vocos = _vocos(size.vocos)

@@ -1,0 +1,56 @@
+"""From GPT outputs to waveforms (and from a waveform to speaker-sample codes), batched like upstream's
+``Chat._decode_to_wavs`` so the samples match it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+from vocos import Vocos
+
+from .dvae import DVAE
+
+
+class AudioDecoder:
+    """Codes or hidden states -> mel (DVAE or Decoder) -> wav (Vocos)."""
+
+    def __init__(self, dvae: DVAE, decoder: DVAE, vocos: Vocos, device: torch.device | str):
+        self.dvae = dvae
+        self.decoder = decoder
+        self.vocos = vocos
+        self.device = torch.device(device)
+
+    @torch.inference_mode()
+    def to_wavs(self, results: list[Tensor], use_decoder: bool) -> np.ndarray:
+        """Per-sequence [T_i, C] tensors (hidden states [T_i, H] if ``use_decoder``, else codes [T_i, G*R]) ->
+        float32 wavs [B, S], all as long as the longest (shorter ones decode their zero padding too)."""
+        if not results:
+            return np.array([], dtype=np.float32)
+        batch = self._pad(results)  # [B, C, T]
+        mel = (self.decoder if use_decoder else self.dvae).decode(batch)  # [B, n_mels, 2T]
+        vocos_device = next(self.vocos.parameters()).device
+        return self.vocos.decode(mel.to(vocos_device)).float().cpu().numpy()  # [B, S]
+
+    @torch.inference_mode()
+    def sample_audio(self, wav: np.ndarray | Tensor) -> Tensor:
+        """Mono 24 kHz wav [S] float -> speaker-sample codes [G*R, T] int32 (``DVAE.encode`` checks the input)."""
+        if isinstance(wav, np.ndarray):
+            if wav.dtype.kind != "f":
+                raise ValueError(f"wav must hold floats, got numpy {wav.dtype}")
+            wav = torch.from_numpy(np.ascontiguousarray(wav))
+        if not isinstance(wav, Tensor):
+            raise ValueError(f"wav must be a numpy array or a torch tensor, got {type(wav).__name__}")
+        return self.dvae.encode(wav.to(self.device))
+
+    def _pad(self, results: list[Tensor]) -> Tensor:
+        """Right-zero-pad [T_i, C] tensors into one [B, C, max T_i] batch on the device."""
+        width = results[0].shape[-1]
+        for i, r in enumerate(results):
+            if r.dim() != 2 or r.shape[1] != width:
+                expected = f"expected [T, {width}] like results[0]"
+                raise ValueError(f"results[{i}] has shape {tuple(r.shape)}, {expected}")
+        longest = max(r.shape[0] for r in results)
+        batch = torch.zeros((len(results), width, longest), dtype=results[0].dtype, device=self.device)
+        for row, r in zip(batch, results, strict=True):
+            row[:, : r.shape[0]].copy_(r.T)
+        return batch

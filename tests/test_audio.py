@@ -1,0 +1,250 @@
+"""Parity of chattts_velocity.audio (DVAE, Decoder, Vocos, AudioDecoder) with upstream ChatTTS on a tiny random
+checkpoint written by upstream's own classes; plus size inference and the errors for malformed input."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from upstream_checkpoint import DVAE_DIM, HIDDEN, VQ_DIM
+
+from chattts_velocity.audio import (
+    DVAE,
+    AudioDecoder,
+    ConvStackConfig,
+    DVAEConfig,
+    load_vocos,
+    vocos_state_dict_config,
+)
+
+TOL = 1e-5
+LENGTHS = (5, 11, 3)
+
+
+@pytest.fixture(scope="module")
+def asset(upstream_ckpt) -> str:
+    """The tiny upstream checkpoint of conftest (written once per session); ``upstream_chat`` is loaded on it."""
+    return os.path.join(upstream_ckpt, "asset")
+
+
+@pytest.fixture(scope="module")
+def ours(asset) -> AudioDecoder:
+    return AudioDecoder(
+        DVAE.from_file(os.path.join(asset, "DVAE.safetensors"), "cpu"),
+        DVAE.from_file(os.path.join(asset, "Decoder.safetensors"), "cpu"),
+        load_vocos(os.path.join(asset, "Vocos.safetensors"), "cpu"),
+        "cpu",
+    )
+
+
+def _max_diff(name: str, got, want) -> float:
+    diff = float(np.abs(np.asarray(got, dtype=np.float64) - np.asarray(want, dtype=np.float64)).max())
+    print(f"{name}: max abs diff vs upstream {diff:.3g}")
+    return diff
+
+
+def test_config_inference_matches_written_sizes(asset):
+    dvae = DVAEConfig.from_state_dict(load_file(os.path.join(asset, "DVAE.safetensors")), "DVAE.safetensors")
+    assert dvae == DVAEConfig(
+        decoder=ConvStackConfig(DVAE_DIM, DVAE_DIM, 24, 2, 8), dim=DVAE_DIM,
+        encoder=ConvStackConfig(DVAE_DIM, VQ_DIM, 24, 2, 8), vq_dim=VQ_DIM, levels=(5, 5, 5, 5), groups=2,
+    )
+    decoder = DVAEConfig.from_state_dict(load_file(os.path.join(asset, "Decoder.safetensors")), "Decoder")
+    assert decoder == DVAEConfig(decoder=ConvStackConfig(HIDDEN // 2, HIDDEN // 2, 24, 2, 8), dim=HIDDEN // 2)
+    vocos = vocos_state_dict_config(load_file(os.path.join(asset, "Vocos.safetensors")))
+    assert vocos == dict(input_channels=100, dim=32, intermediate_dim=64, num_layers=2, n_fft=1024, hop_length=256)
+
+
+def test_state_dicts_equal_upstream(upstream_chat, ours):
+    for part in ("dvae", "decoder", "vocos"):
+        mine, theirs = getattr(ours, part), getattr(upstream_chat, part)
+        want = theirs.state_dict()
+        got = mine.state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_dvae_decode_codes(upstream_chat, ours):
+    codes = torch.randint(0, 625, (2, 4, 7), generator=torch.Generator().manual_seed(1))
+    got = ours.dvae.decode(codes)
+    want = upstream_chat.dvae(codes.clone(), "decode")
+    assert got.shape == (2, 100, 14)
+    assert _max_diff("DVAE decode", got, want) <= TOL
+
+
+def test_decoder_decode_hiddens(upstream_chat, ours):
+    hiddens = torch.randn(2, HIDDEN, 9, generator=torch.Generator().manual_seed(2))
+    kept = hiddens.clone()
+    got = ours.decoder.decode(hiddens)
+    want = upstream_chat.decoder(hiddens.clone(), "decode")
+    assert torch.equal(hiddens, kept)
+    assert got.shape == (2, 100, 18)
+    assert _max_diff("Decoder decode", got, want) <= TOL
+
+
+def test_encode_matches_upstream(upstream_chat, ours):
+    wav = 0.5 * torch.randn(12000, generator=torch.Generator().manual_seed(3))  # 0.5 s at 24 kHz
+    got = ours.sample_audio(wav.numpy())
+    want = upstream_chat.dvae.sample_audio(wav.clone())
+    assert got.shape == (4, (12000 // 256 + 1) // 2)
+    assert got.dtype == want.dtype
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0])
+def test_quantizer_matches_upstream(upstream_chat, ours, scale):
+    """FSQ on features spread over every level (the tiny encoder saturates, so wavs alone reach few codes)."""
+    feats = scale * torch.randn(2, VQ_DIM, 50, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        codes = ours.dvae.vq_layer.encode(feats)
+        want = upstream_chat.dvae.vq_layer(feats.clone())  # upstream transposes its input in place
+        got = ours.dvae.vq_layer.decode(codes)
+        want_feats = upstream_chat.dvae.vq_layer._embed(want.clone())
+    assert len(codes.unique()) > 50
+    assert codes.dtype == want.dtype and torch.equal(codes, want)
+    assert _max_diff("FSQ decode", got, want_feats) <= TOL
+
+
+@pytest.mark.parametrize("use_decoder", [False, True])
+def test_to_wavs_matches_upstream(upstream_chat, ours, use_decoder):
+    gen = torch.Generator().manual_seed(4)
+    if use_decoder:
+        results = [torch.randn(n, HIDDEN, generator=gen) for n in LENGTHS]
+    else:
+        results = [torch.randint(0, 625, (n, 4), generator=gen) for n in LENGTHS]
+    got = ours.to_wavs(results, use_decoder)
+    want = upstream_chat._decode_to_wavs(list(results), use_decoder)  # upstream empties the list it is given
+    assert len(results) == len(LENGTHS)
+    assert got.dtype == np.float32
+    assert got.shape == want.shape == (3, (2 * max(LENGTHS) - 1) * 256)  # centred iSTFT of 2 mel frames per step
+    assert _max_diff(f"to_wavs(use_decoder={use_decoder})", got, want) <= TOL
+
+
+def test_to_wavs_empty(ours):
+    wavs = ours.to_wavs([], use_decoder=False)
+    assert wavs.dtype == np.float32 and wavs.size == 0
+
+
+def _mangled(asset: str, tmp_path, file: str, edit) -> str:
+    sd = load_file(os.path.join(asset, file))
+    edit(sd)
+    path = str(tmp_path / file)
+    save_file(sd, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("file", "edit", "message"),
+    [
+        ("DVAE.safetensors", lambda sd: sd.update({"decoder.decoder_block.1.pwconv2.weight": torch.zeros(24, 95)}),
+         r"DVAE.safetensors: decoder.decoder_block.1.pwconv2.weight has shape \(24, 95\), expected \(24, 96\)"),
+        ("DVAE.safetensors", lambda sd: sd.pop("vq_layer.quantizer.rvqs.1.project_out.bias"),
+         "DVAE.safetensors: missing key vq_layer.quantizer.rvqs.1.project_out.bias"),
+        ("DVAE.safetensors", lambda sd: sd.update({"out_conv.weight": torch.zeros(100, 12, 3)}),
+         "DVAE.safetensors: inconsistent DVAE sizes: decoder.odim 16 != dim 12"),
+        ("Decoder.safetensors", lambda sd: sd.update({"extra.weight": torch.zeros(1)}),
+         "Decoder.safetensors: unexpected key extra.weight"),
+        ("Decoder.safetensors", lambda sd: sd.pop("decoder.decoder_block.0.dwconv.weight"),
+         "Decoder.safetensors: missing key decoder.decoder_block.0.dwconv.weight"),
+    ],
+)
+def test_malformed_dvae_checkpoint(asset, tmp_path, file, edit, message):
+    with pytest.raises(ValueError, match=message):
+        DVAE.from_file(_mangled(asset, tmp_path, file, edit), "cpu")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda sd: sd.update({"backbone.convnext.1.gamma": torch.zeros(31)}),
+         r"Vocos.safetensors: backbone.convnext.1.gamma has shape \(31,\), expected \(32,\)"),
+        (lambda sd: sd.update({"head.out.weight": torch.zeros(1025, 32)}),
+         "Vocos.safetensors: head.out.weight has 1025 outputs"),
+        (lambda sd: sd.pop("backbone.embed.weight"), "Vocos.safetensors: missing key backbone.embed.weight"),
+    ],
+)
+def test_malformed_vocos_checkpoint(asset, tmp_path, edit, message):
+    with pytest.raises(ValueError, match=message):
+        load_vocos(_mangled(asset, tmp_path, "Vocos.safetensors", edit), "cpu")
+
+
+def test_missing_file(tmp_path):
+    path = str(tmp_path / "nowhere" / "DVAE.safetensors")
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        DVAE.from_file(path, "cpu")
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_vocos(path, "cpu")
+
+
+@pytest.mark.parametrize(
+    "wav",
+    [
+        np.zeros((2, 4000), dtype=np.float32),
+        np.zeros(4000, dtype=np.int16),
+        np.zeros(0, dtype=np.float32),
+        np.zeros(300, dtype=np.float32),
+        np.array([0.0, np.nan] * 2000, dtype=np.float32),
+        torch.full((4000,), float("inf")),
+        [0.0] * 4000,
+    ],
+)
+def test_sample_audio_rejects_bad_wav(ours, wav):
+    with pytest.raises(ValueError, match="wav"):
+        ours.sample_audio(wav)
+
+
+def test_decoder_cannot_encode(ours):
+    with pytest.raises(ValueError, match="cannot encode"):
+        ours.decoder.encode(torch.zeros(4000))
+
+
+@pytest.mark.parametrize(
+    ("model", "x", "message"),
+    [
+        ("dvae", torch.zeros(1, 3, 5, dtype=torch.long), r"codes must be an int tensor \[B, 4, T\]"),
+        ("dvae", torch.zeros(1, 4, 5), "codes must be an int tensor"),
+        ("dvae", torch.full((1, 4, 5), 625), r"codes must lie in \[0, 625\)"),
+        ("decoder", torch.zeros(1, HIDDEN + 1, 5), rf"hidden states must be a float tensor \[B, {HIDDEN}, T\]"),
+    ],
+)
+def test_decode_rejects_bad_input(ours, model, x, message):
+    with pytest.raises(ValueError, match=message):
+        getattr(ours, model).decode(x)
+
+
+def _stack(idim: int, odim: int, hidden: int) -> dict:
+    return dict(idim=idim, odim=odim, hidden=hidden, n_layer=12, bn_dim=128)
+
+
+def test_full_size_configs_round_trip():
+    """Upstream's released-model sizes survive inference from an upstream-built state dict. (Literal sizes:
+    the fixture edits the defaults of ChatTTS.config in place.)"""
+    from ChatTTS.model.dvae import DVAE as UpstreamDVAE
+    from vocos import Vocos
+    from vocos.feature_extractors import MelSpectrogramFeatures
+    from vocos.heads import ISTFTHead
+    from vocos.models import VocosBackbone
+
+    dvae = UpstreamDVAE(
+        decoder_config=_stack(512, 512, 256), encoder_config=_stack(512, 1024, 256),
+        vq_config=dict(dim=1024, levels=(5, 5, 5, 5), G=2, R=2), dim=512,
+    )
+    assert DVAEConfig.from_state_dict(dvae.state_dict(), "DVAE") == DVAEConfig(
+        decoder=ConvStackConfig(512, 512, 256, 12, 128), dim=512,
+        encoder=ConvStackConfig(512, 1024, 256, 12, 128), vq_dim=1024,
+    )
+    decoder = UpstreamDVAE(decoder_config=_stack(384, 384, 512), dim=384)
+    assert DVAEConfig.from_state_dict(decoder.state_dict(), "Decoder") == DVAEConfig(
+        decoder=ConvStackConfig(384, 384, 512, 12, 128), dim=384,
+    )
+    vocos = Vocos(
+        feature_extractor=MelSpectrogramFeatures(padding="center"),
+        backbone=VocosBackbone(input_channels=100, dim=512, intermediate_dim=1536, num_layers=8),
+        head=ISTFTHead(dim=512, n_fft=1024, hop_length=256, padding="center"),
+    )
+    assert vocos_state_dict_config(vocos.state_dict()) == dict(
+        input_channels=100, dim=512, intermediate_dim=1536, num_layers=8, n_fft=1024, hop_length=256
+    )
