@@ -216,8 +216,11 @@ class Chat:
         length = input_ids.shape[1]
         room = cfg.max_position_embeddings - length
         if room <= 0:
-            raise ValueError(f"text is longer than the model's context: the prompt has {length} tokens, the model "
-                             f"holds {cfg.max_position_embeddings}; shorten it or use split_text=True")
+            raise ValueError(
+                f"text is longer than the model's context: the prompt (text, tags and any voice-sample transcript "
+                f"txt_smp) has {length} tokens, the model holds {cfg.max_position_embeddings}; shorten the text or "
+                "txt_smp, or let infer split it (split_text=True)"
+            )
         if settings.max_new_token > room:
             self.logger.warning("max_new_token %d capped to %d by the model's context", settings.max_new_token, room)
             settings = dataclasses.replace(settings, max_new_token=room,

@@ -1,0 +1,171 @@
+"""Loading: the upstream layout written by make-checkpoint, the Hugging Face cache offline, dummy weights, and
+clear errors for missing, partial or inconsistent checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import soundfile as sf
+import torch
+from safetensors.torch import load_file, save_file
+
+from chattts_velocity import Chat
+from chattts_velocity.cli import main
+from chattts_velocity.model.loader import ModelNotFoundError
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    assert main(["make-checkpoint", str(root), "--size", "tiny", "--seed", "3"]) == 0
+    return root
+
+
+def copy_ckpt(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_make_checkpoint_writes_the_upstream_layout(tiny_dir):
+    for rel in ["asset/gpt/config.json", "asset/gpt/model.safetensors", "asset/Embed.safetensors",
+                "asset/DVAE.safetensors", "asset/Decoder.safetensors", "asset/Vocos.safetensors",
+                "asset/tokenizer/tokenizer.json", "asset/tokenizer/tokenizer_config.json",
+                "asset/spk_stat.safetensors"]:
+        assert (tiny_dir / rel).is_file(), rel
+    cfg = json.loads((tiny_dir / "asset/gpt/config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["hidden_size"] == 64
+    embed = load_file(tiny_dir / "asset/Embed.safetensors")
+    assert "head_code.3.parametrizations.weight.original1" in embed
+    assert not any(k.startswith("embed_tokens") for k in load_file(tiny_dir / "asset/gpt/model.safetensors"))
+
+
+def test_upstream_loads_our_checkpoint_and_agrees(tiny_dir):
+    """Our writer's files are read by upstream's own loader, and both decode the same wav."""
+    from upstream_checkpoint import load_upstream
+
+    up = load_upstream(str(tiny_dir))
+    ours = Chat()
+    ours.load(source="custom", custom_path=tiny_dir, device="cpu")
+    kw = dict(manual_seed=2, max_new_token=20, show_tqdm=False)
+    a = ours.infer(["hello world"], skip_refine_text=True, split_text=False,
+                   params_infer_code=ours.InferCodeParams(**kw))[0]
+    b = up.infer(["hello world"], skip_refine_text=True, split_text=False,
+                 params_infer_code=up.InferCodeParams(**kw))[0]
+    assert a.shape == b.shape and a.size > 0
+    assert float(abs(a - b).max()) <= 1e-5
+
+
+def test_say_command_writes_a_wav(tiny_dir, tmp_path):
+    out = tmp_path / "sub" / "out.wav"
+    rc = main(["say", "Hello world. 你好。", "-o", str(out), "--model", str(tiny_dir), "--seed", "1",
+               "--max-new-token", "20", "--random-speaker", "--no-refine"])
+    assert rc == 0
+    audio, sr = sf.read(out)
+    assert sr == 24000 and audio.ndim == 1 and audio.size > 0
+
+
+def test_say_command_reports_missing_weights(tmp_path, capsys):
+    rc = main(["say", "hi", "-o", str(tmp_path / "x.wav"), "--model", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "nowhere" in err and "asset/gpt" in err and "--dummy" in err
+
+
+def _hub_layout(src, hf_home, with_refs=True):
+    repo = hf_home / "hub" / "models--2Noise--ChatTTS"
+    snap = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(src, snap)
+    if with_refs:
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(snap.name)
+    return snap
+
+
+def _run_offline(hf_home, code):
+    env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+LOAD_HF = ("from chattts_velocity import Chat; c = Chat(); c.load(source='huggingface', device='cpu'); "
+           "print('ROOT', c.model.root); print('SPK', len(c.sample_random_speaker()))")
+
+
+@pytest.mark.parametrize("with_refs", [True, False], ids=["refs", "snapshot-scan"])
+def test_loads_from_hugging_face_cache_offline(tiny_dir, tmp_path, with_refs):
+    snap = _hub_layout(tiny_dir, tmp_path, with_refs)
+    res = _run_offline(tmp_path, LOAD_HF)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"ROOT {snap}" in res.stdout
+
+
+def test_empty_hugging_face_cache_says_where_it_looked(tmp_path):
+    res = _run_offline(tmp_path, LOAD_HF)
+    assert res.returncode != 0
+    assert "ModelNotFoundError" in res.stderr and str(tmp_path / "hub") in res.stderr
+    assert "huggingface-cli download 2Noise/ChatTTS" in res.stderr
+
+
+def test_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="missing asset/gpt"):
+        Chat().load(source="custom", custom_path=tmp_path / "absent", device="cpu")
+
+
+def test_partial_folder_names_the_missing_file(tiny_dir, tmp_path):
+    root = copy_ckpt(tiny_dir, tmp_path / "partial")
+    os.remove(root / "asset" / "Vocos.safetensors")
+    with pytest.raises(ModelNotFoundError, match="asset/Vocos.safetensors"):
+        Chat().load(source="custom", custom_path=root, device="cpu")
+
+
+@pytest.mark.parametrize("file,key,expected", [
+    ("asset/Embed.safetensors", "emb_code.1.weight", r"Embed\.safetensors: tensor emb_code\.1\.weight has shape"),
+    ("asset/gpt/model.safetensors", "layers.1.mlp.up_proj.weight", r"gpt/\*\.safetensors: tensor layers\.1\.mlp\.up_proj\.weight has shape \(129, 64\)"),
+    # The conv's weight sets the inferred width, so its bias is the tensor that disagrees.
+    ("asset/DVAE.safetensors", "decoder.conv_in.0.weight", r"DVAE\.safetensors: decoder\.conv_in\.0\.bias"),
+    ("asset/Decoder.safetensors", "out_conv.weight", r"Decoder\.safetensors: .*out_conv\.weight"),
+    ("asset/Vocos.safetensors", "backbone.embed.weight", r"Vocos\.safetensors: .*backbone\."),
+])
+def test_wrong_size_tensor_names_file_and_key(tiny_dir, tmp_path, file, key, expected):
+    root = copy_ckpt(tiny_dir, tmp_path / "bad")
+    sd = load_file(root / file)
+    sd[key] = torch.zeros(sd[key].shape[0] + 1, *sd[key].shape[1:])
+    save_file(sd, root / file)
+    with pytest.raises(ValueError, match=expected):
+        Chat().load(source="custom", custom_path=root, device="cpu")
+
+
+def test_tokenizer_and_weights_must_match(tiny_dir, tmp_path):
+    from chattts_velocity.model.tokenizer_files import write_tokenizer
+
+    root = copy_ckpt(tiny_dir, tmp_path / "tok")
+    shutil.rmtree(root / "asset" / "tokenizer")
+    write_tokenizer(root / "asset" / "tokenizer", vocab_size=1000)
+    with pytest.raises(ValueError, match="tokenizer has 1000 tokens"):
+        Chat().load(source="custom", custom_path=root, device="cpu")
+
+
+def test_checkpoint_without_speaker_stats_loads_but_cannot_sample(tiny_dir, tmp_path):
+    root = copy_ckpt(tiny_dir, tmp_path / "nostat")
+    os.remove(root / "asset" / "spk_stat.safetensors")
+    chat = Chat()
+    chat.load(source="custom", custom_path=root, device="cpu")
+    with pytest.raises(ValueError, match="no speaker statistics"):
+        chat.sample_random_speaker()
+
+
+def test_dummy_weights_have_the_full_shapes():
+    chat = Chat()
+    chat.load(device="cpu", load_format="dummy")
+    cfg = chat.model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_text_tokens, cfg.num_audio_tokens) == (768, 20, 21178, 626)
+    assert chat.model.tokenizer.len == 21178
+    assert sum(p.numel() for p in chat.model.gpt.parameters()) > 150e6
+    wavs = chat.infer(["hello"], skip_refine_text=True, split_text=False,
+                      params_infer_code=chat.InferCodeParams(manual_seed=0, max_new_token=3, show_tqdm=False,
+                                                             spk_emb=chat.sample_random_speaker()))
+    assert wavs[0].dtype.name == "float32" and wavs[0].size > 0
