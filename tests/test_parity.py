@@ -136,3 +136,15 @@ def test_public_infer_default_splitting_matches_upstream(chat, upstream_chat):
     assert_close(ours[0], theirs[0], "concatenated wav")
     assert our_code.spk_smp is None and our_code.txt_smp is None, "infer() mutated the caller's params"
     assert up_code.spk_smp is not None, "upstream took the voice-sample path: the test covers it"
+
+
+def test_stream_chunks_match_upstream(chat, upstream_chat):
+    kw = dict(manual_seed=4, max_new_token=60, stream_batch=8, stream_speed=3000, pass_first_n_batches=1,
+              show_tqdm=False)
+    args = dict(stream=True, skip_refine_text=True, split_text=False)
+    ours = list(chat.infer(list(TEXTS[:2]), params_infer_code=chat.InferCodeParams(**kw), **args))
+    theirs = list(upstream_chat.infer(list(TEXTS[:2]), params_infer_code=upstream_chat.InferCodeParams(**kw),
+                                      **args))
+    assert len(ours) == len(theirs) >= 3
+    for a, b in zip(ours, theirs, strict=True):
+        assert_close(a, b, "stream chunk")
