@@ -123,8 +123,8 @@ def write_upstream_checkpoint(root: str, seed: int = 0) -> str:
     return root
 
 
-def load_upstream(root: str):
-    """An upstream ``ChatTTS.Chat`` loaded on CPU from a checkpoint written by :func:`write_upstream_checkpoint`."""
+def load_upstream(root: str, device: str = "cpu"):
+    """An upstream ``ChatTTS.Chat`` loaded (CPU by default) from a checkpoint written by :func:`write_upstream_checkpoint`."""
     import ChatTTS
     from safetensors.torch import load_file
 
@@ -135,7 +135,7 @@ def load_upstream(root: str):
         n_text = json.load(f)["num_text_tokens"]
     upstream_configure(chat, spk_stat, n_text)
     paths = {k: os.path.join(root, v) for k, v in asdict(chat.config.path).items()}
-    assert chat._load(device=torch.device("cpu"), **paths)
+    assert chat._load(device=torch.device(device), **paths)
     return chat
 
 

@@ -1,0 +1,39 @@
+"""GPU checks (run on the device machine: python -m pytest -m gpu tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+TEXTS = ["hello world, the text is short", "你好，是的。speech"]
+
+
+@pytest.fixture(scope="module")
+def cuda_pair(upstream_ckpt):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from upstream_checkpoint import load_upstream
+
+    from chattts_velocity import Chat
+
+    ours = Chat()
+    ours.load(source="custom", custom_path=upstream_ckpt, device="cuda")
+    up = load_upstream(upstream_ckpt, device="cuda")
+    return ours, up
+
+
+def test_reference_path_matches_upstream_on_cuda(cuda_pair):
+    ours, up = cuda_pair
+    kw = dict(manual_seed=5, max_new_token=60, show_tqdm=False)
+    out = list(ours._infer_code(list(TEXTS), False, ours.InferCodeParams(**kw)))[-1]
+    ref = next(up._infer_code(list(TEXTS), False, torch.device("cuda"), True, up.InferCodeParams(**kw)))
+    for a, b in zip(out.ids, ref.ids, strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+    ours_w = ours.infer(list(TEXTS), skip_refine_text=True, split_text=False,
+                        params_infer_code=ours.InferCodeParams(**kw))
+    up_w = up.infer(list(TEXTS), skip_refine_text=True, split_text=False, params_infer_code=up.InferCodeParams(**kw))
+    for a, b in zip(ours_w, up_w, strict=True):
+        assert a.shape == b.shape and np.isfinite(a).all()
+        assert float(np.abs(a - b).max()) < 1e-4
