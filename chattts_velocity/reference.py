@@ -3,6 +3,10 @@
 It reproduces upstream exactly, seeding included (the generator is re-seeded with ``manual_seed`` at every step
 and samples the whole [B*num_vq, V] matrix at once), so parity with the ``chattts`` package can be proven. It is
 the ``use_velocity=False`` path and the baseline of every benchmark; it is deliberately not optimised.
+
+One deliberate deviation: when a sequence samples EOS at the first step under ``manual_seed``, upstream's
+generator ends without yielding any result (``next()`` raises ``StopIteration``, ``infer`` fails); here the batch
+goes on and that sequence's result is empty.
 """
 
 from __future__ import annotations

@@ -123,8 +123,8 @@ def test_partial_folder_names_the_missing_file(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("file,key,expected", [
-    ("asset/Embed.safetensors", "emb_code.1.weight", r"Embed\.safetensors: tensor emb_code\.1\.weight has shape"),
-    ("asset/gpt/model.safetensors", "layers.1.mlp.up_proj.weight", r"gpt/\*\.safetensors: tensor layers\.1\.mlp\.up_proj\.weight has shape \(129, 64\)"),
+    ("asset/Embed.safetensors", "emb_code.1.weight", r"Embed\.safetensors: emb_code\.1\.weight has shape"),
+    ("asset/gpt/model.safetensors", "layers.1.mlp.up_proj.weight", r"gpt/\*\.safetensors: layers\.1\.mlp\.up_proj\.weight has shape \(129, 64\)"),
     # The conv's weight sets the inferred width, so its bias is the tensor that disagrees.
     ("asset/DVAE.safetensors", "decoder.conv_in.0.weight", r"DVAE\.safetensors: decoder\.conv_in\.0\.bias"),
     ("asset/Decoder.safetensors", "out_conv.weight", r"Decoder\.safetensors: .*out_conv\.weight"),

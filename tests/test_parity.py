@@ -17,6 +17,13 @@ def code_params(cls, **kw):
     return cls(**base)
 
 
+def fixed_speaker(upstream_chat, seed=0):
+    """A speaker string independent of the global RNG's history (test order must not matter)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return upstream_chat.sample_random_speaker()
+
+
 def assert_close(a, b, what):
     a, b = torch.as_tensor(np.asarray(a)), torch.as_tensor(np.asarray(b))
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
@@ -25,7 +32,7 @@ def assert_close(a, b, what):
 
 
 def test_teacher_forced_logits_match_upstream(chat, upstream_chat):
-    spk = upstream_chat.sample_random_speaker()
+    spk = fixed_speaker(upstream_chat)
     up = upstream_chat
     prompts = up.speaker.decorate_code_prompts(list(TEXTS), "[speed_5]", None, spk)
     input_ids, attention_mask, text_mask = up.tokenizer.encode(prompts, 4)
@@ -51,7 +58,7 @@ def test_teacher_forced_logits_match_upstream(chat, upstream_chat):
 
 @pytest.mark.parametrize("use_decoder", [True, False])
 def test_codes_hiddens_and_wavs_match_upstream(chat, upstream_chat, use_decoder):
-    spk = upstream_chat.sample_random_speaker()
+    spk = fixed_speaker(upstream_chat)
     ours_p = code_params(chat.InferCodeParams, spk_emb=spk)
     up_p = code_params(upstream_chat.InferCodeParams, spk_emb=spk)
     ref = next(upstream_chat._infer_code(list(TEXTS), False, torch.device("cpu"), use_decoder, up_p))
@@ -124,7 +131,7 @@ def test_voice_sample_matches_upstream(chat, upstream_chat):
 
 def test_public_infer_default_splitting_matches_upstream(chat, upstream_chat):
     text = "Hello world. This is the second sentence. 你好，是的。最后一句"
-    spk = upstream_chat.sample_random_speaker()
+    spk = fixed_speaker(upstream_chat)
     kw_c = dict(spk_emb=spk, manual_seed=7, max_new_token=30, show_tqdm=False)
     kw_r = dict(manual_seed=9, max_new_token=12, show_tqdm=False)
     up_code = upstream_chat.InferCodeParams(**kw_c)
@@ -148,3 +155,25 @@ def test_stream_chunks_match_upstream(chat, upstream_chat):
     assert len(ours) == len(theirs) >= 3
     for a, b in zip(ours, theirs, strict=True):
         assert_close(a, b, "stream chunk")
+
+
+def test_sequence_ending_at_the_first_step_with_a_seed(chat, upstream_chat):
+    """Upstream returns nothing at all (its generator ends without a result) when a sequence samples EOS at the
+    first step under ``manual_seed``; we keep the batch going and give that sequence an empty result."""
+    for seed in range(200):
+        spk = fixed_speaker(upstream_chat, seed)
+        first = list(chat._infer_code(list(TEXTS), False, code_params(chat.InferCodeParams, spk_emb=spk,
+                                                                      max_new_token=1)))[-1]
+        if any(len(x) == 0 for x in first.ids):
+            break
+    else:
+        pytest.fail("no speaker made a sequence end at step 0: the case is not exercised")
+    with pytest.raises(StopIteration):
+        next(upstream_chat._infer_code(list(TEXTS), False, torch.device("cpu"), True,
+                                       code_params(upstream_chat.InferCodeParams, spk_emb=spk)))
+    out = list(chat._infer_code(list(TEXTS), False, code_params(chat.InferCodeParams, spk_emb=spk)))[-1]
+    lengths = [len(x) for x in out.ids]
+    assert 0 in lengths and max(lengths) > 1
+    wavs = chat.infer(list(TEXTS), skip_refine_text=True, split_text=False,
+                      params_infer_code=code_params(chat.InferCodeParams, spk_emb=spk))
+    assert len(wavs) == len(TEXTS) and all(np.isfinite(w).all() for w in wavs)

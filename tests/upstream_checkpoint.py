@@ -12,22 +12,13 @@ import pybase16384 as b14
 import torch
 from safetensors.torch import save_file
 
+from chattts_velocity.model.checkpoint import randomize_
 from chattts_velocity.model.tokenizer_files import write_tokenizer
 
 HIDDEN = 64
 DVAE_DIM = 16
 VQ_DIM = 32
 SPK_STAT_FILE = "spk_stat.safetensors"
-
-
-def _randomize(module: torch.nn.Module, gen: torch.Generator, scale: float = 0.3) -> None:
-    """Give every parameter non-trivial values so that no block is an identity (upstream inits layer scales at 1e-6)."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name and p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(scale * torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5)
 
 
 def _save(module: torch.nn.Module, path: str) -> None:
@@ -92,11 +83,11 @@ def write_upstream_checkpoint(root: str, seed: int = 0) -> str:
             spk_emb_dim=192, spk_KL=False, use_cache=False,
         )
     )
-    _randomize(llama, gen, scale=1.0)
+    randomize_(llama, gen, scale=1.0)
     llama.save_pretrained(os.path.join(asset, "gpt"), safe_serialization=True)
 
     embed = Embed(HIDDEN, 626, n_text, 4)
-    _randomize(embed, gen, scale=3.0)
+    randomize_(embed, gen, scale=3.0)
     with torch.no_grad():  # a louder EOS row so that sequences end at different steps within a few dozen
         for head in embed.head_code:
             head.parametrizations.weight.original0[-1] *= 2.5
@@ -106,11 +97,11 @@ def write_upstream_checkpoint(root: str, seed: int = 0) -> str:
         decoder_config=asdict(cfg.dvae.decoder), encoder_config=asdict(cfg.dvae.encoder),
         vq_config=asdict(cfg.dvae.vq), dim=cfg.dvae.decoder.idim,
     )
-    _randomize(dvae, gen)
+    randomize_(dvae, gen)
     _save(dvae, os.path.join(asset, "DVAE.safetensors"))
 
     decoder = DVAE(decoder_config=asdict(cfg.decoder), dim=cfg.decoder.idim)
-    _randomize(decoder, gen)
+    randomize_(decoder, gen)
     _save(decoder, os.path.join(asset, "Decoder.safetensors"))
 
     vocos = Vocos(
@@ -118,7 +109,7 @@ def write_upstream_checkpoint(root: str, seed: int = 0) -> str:
         backbone=instantiate_class(args=(), init=asdict(cfg.vocos.backbone)),
         head=instantiate_class(args=(), init=asdict(cfg.vocos.head)),
     )
-    _randomize(vocos, gen)
+    randomize_(vocos, gen)
     _save(vocos, os.path.join(asset, "Vocos.safetensors"))
     return root
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import torchaudio
 from torch import Tensor, nn
 
-from .checkpoint import check_state_dict, count_layers, load_checkpoint, require
+from ..weights import check_state_dict, count_layers, read_safetensors, require
 from .fsq import GFSQ
 
 SAMPLE_RATE = 24000
@@ -188,7 +188,7 @@ class DVAE(nn.Module):
     @classmethod
     def from_file(cls, path: str, device: torch.device | str) -> DVAE:
         """Load an upstream DVAE/Decoder safetensors file (sizes inferred), in eval mode on ``device``."""
-        sd = load_checkpoint(path)
+        sd = read_safetensors(path)
         model = cls(DVAEConfig.from_state_dict(sd, os.path.basename(path)))
         model.load_state_dict(sd, strict=True)
         return model.to(device).eval()

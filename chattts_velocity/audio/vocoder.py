@@ -16,7 +16,7 @@ from vocos.feature_extractors import MelSpectrogramFeatures
 from vocos.heads import ISTFTHead
 from vocos.models import VocosBackbone
 
-from .checkpoint import check_state_dict, count_layers, load_checkpoint, require
+from ..weights import check_state_dict, count_layers, read_safetensors, require
 from .dvae import HOP_LENGTH, SAMPLE_RATE
 
 
@@ -42,7 +42,7 @@ def vocos_state_dict_config(sd: dict[str, Tensor], name: str = "Vocos.safetensor
 
 def load_vocos(path: str, device: torch.device | str) -> Vocos:
     """Load an upstream Vocos safetensors file (sizes inferred), in eval mode on ``device``."""
-    sd = load_checkpoint(path)
+    sd = read_safetensors(path)
     vocos = _build(vocos_state_dict_config(sd, os.path.basename(path)), torch.device("cpu"))
     vocos.load_state_dict(sd, strict=True)
     return vocos.to(device).eval()

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from ..config import ASSET_FILES, FULL_GPT, HF_REPO_ID, SPK_STAT_FILE, GPTConfig
+from ..weights import load_checked, read_safetensors, read_safetensors_dir
 from .gpt import ChatGPT
-from .weights import load_checked, read_safetensors, read_safetensors_dir
 
 logger = logging.getLogger(__name__)
 SOURCES = ("huggingface", "local", "custom")

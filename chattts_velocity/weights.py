@@ -1,20 +1,37 @@
-"""Reading upstream ``.safetensors`` audio checkpoints, and the checks that turn a malformed one into a
-``ValueError`` naming the file and the offending key (instead of a bare shape error deep inside torch)."""
+"""Safetensors reading and state-dict checks whose errors name the file and the tensor, instead of a bare shape
+error deep inside torch. Never unpickles (no ``torch.load``)."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 
-def load_checkpoint(path: str) -> dict[str, Tensor]:
-    """All tensors of a safetensors file, on the CPU. Never unpickles (no ``torch.load``)."""
+def read_safetensors(path: str | os.PathLike) -> dict[str, Tensor]:
+    """All tensors of one ``.safetensors`` file, on the CPU."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file not found: {path}")
-    return load_file(path)
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+
+
+def read_safetensors_dir(folder: str | os.PathLike) -> dict[str, Tensor]:
+    """Every ``*.safetensors`` shard of a Hugging Face model folder, merged."""
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    out: dict[str, Tensor] = {}
+    for f in files:
+        out.update(read_safetensors(f))
+    return out
 
 
 def require(sd: dict[str, Tensor], key: str, ndim: int, name: str) -> Tensor:
@@ -44,9 +61,14 @@ def check_state_dict(module: nn.Module, sd: dict[str, Tensor], name: str) -> Non
         if key not in sd:
             raise ValueError(f"{name}: missing key {key}")
         if sd[key].shape != tensor.shape:
-            raise ValueError(
-                f"{name}: {key} has shape {tuple(sd[key].shape)}, expected {tuple(tensor.shape)}"
-            )
+            raise ValueError(f"{name}: {key} has shape {tuple(sd[key].shape)}, expected {tuple(tensor.shape)}")
     unexpected = sorted(set(sd) - set(expected))
     if unexpected:
         raise ValueError(f"{name}: unexpected key {unexpected[0]} ({len(unexpected)} unexpected in all)")
+
+
+def load_checked(module: nn.Module, sd: dict[str, Tensor], name: str) -> None:
+    """``check_state_dict``, then a strict load (cast to the module's dtypes)."""
+    check_state_dict(module, sd, name)
+    expected = module.state_dict()
+    module.load_state_dict({k: v.to(expected[k].dtype) for k, v in sd.items()}, strict=True)
