@@ -29,12 +29,11 @@ class ChatGPT(nn.Module):
         self, input_ids: torch.Tensor, text_mask: torch.Tensor, spk_id: int | None, spk_vec: torch.Tensor | None
     ) -> torch.Tensor:
         """[B, T, num_vq] ids -> [B, T, H], the speaker vector written at ``[spk_emb]`` positions."""
+        from ..text import apply_speaker
+
         emb = self.embed(input_ids, text_mask)
         if spk_vec is not None:
-            at_spk = input_ids[..., :1].eq(spk_id).expand(emb.shape)  # [B, T, H]
-            # float16 vector into a float32 tensor through torch.where, exactly as upstream does it.
-            vec = spk_vec.to(emb.device)[None, None, :].expand(emb.shape)
-            emb = torch.where(at_spk, vec, emb)
+            apply_speaker(emb, input_ids, spk_id, spk_vec)
         return emb
 
     def hidden_states(
