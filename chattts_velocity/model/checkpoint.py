@@ -34,7 +34,7 @@ class CheckpointSize:
 
 TINY = CheckpointSize(
     gpt=GPTConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
-                  num_hidden_layers=2, max_position_embeddings=512),
+                  num_hidden_layers=2, max_position_embeddings=4096),
     dvae=((16, 16, 24, 2, 8), 16, (16, 32, 24, 2, 8), 32),
     decoder=((32, 32, 24, 2, 8), 32),
     vocos=dict(dim=32, intermediate_dim=64, num_layers=2),
