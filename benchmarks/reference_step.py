@@ -46,6 +46,7 @@ def main() -> None:
     import ChatTTS
 
     from chattts_velocity import Chat
+    from chattts_velocity.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
     from chattts_velocity.model.checkpoint import write_checkpoint
 
     root = tempfile.mkdtemp()
@@ -66,7 +67,7 @@ def main() -> None:
         t_ours, out = _time(lambda texts=texts: list(ours._infer_code(list(texts), False, ours.InferCodeParams(**kw)))[-1],
                             device, args.repeats)
         same = all(torch.equal(a.cpu(), r.cpu()) for a, r in zip(out.ids, ref.ids, strict=True))
-        audio_s = args.steps / 46.875 * b
+        audio_s = args.steps * SAMPLES_PER_TOKEN / SAMPLE_RATE * b
         for name, t in (("upstream chattts 0.2.5", t_up), ("reference (use_velocity=False)", t_ours)):
             print(f"| {b} | {name} | {1000 * t / args.steps:.2f} | {audio_s / t:.2f} | {same} |")
 

@@ -70,10 +70,6 @@ class GPTConfig:
         """The audio EOS code (last code of each codebook)."""
         return self.num_audio_tokens - 1
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> GPTConfig:
         """Read ``asset/gpt/config.json`` (a Hugging Face LlamaConfig with ChatTTS extras)."""
