@@ -152,15 +152,17 @@ class Chat:
         return texts
 
     def _refine(self, texts: list[str], params: RefineTextParams) -> list[str]:
+        """Refined texts; ids from ``[break_0]`` on are dropped, as upstream does."""
+        tok = self._require().tokenizer
+        return tok.decode([ids[ids < tok.break_0_ids] for ids in self._refine_ids(texts, params).ids])
+
+    def _refine_ids(self, texts: list[str], params: RefineTextParams) -> GenerationOutput:
         from .text import decorate_text_prompts
 
-        model = self._require()
-        tok = model.tokenizer
+        tok = self._require().tokenizer
         settings = _settings(params, text_mode=True, eos_id=tok.eos_token, row_cap=tok.len,
-                             temperature=(float(params.temperature),))
-        out = self._generate(decorate_text_prompts(texts, params.prompt), settings, None, None, stream=False)
-        result = _last(out)
-        return tok.decode([ids[ids < tok.break_0_ids] for ids in result.ids])
+                             temperature=params.temperatures(1))
+        return _last(self._generate(decorate_text_prompts(texts, params.prompt), settings, None, None, stream=False))
 
     def _infer_audio(self, texts, stream, use_decoder, split_text, max_split_batch, params: InferCodeParams):
         if split_text and len(texts) > 1 and params.spk_smp is None:

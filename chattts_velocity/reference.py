@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -52,7 +52,6 @@ class GenerationOutput:
 
     ids: list[torch.Tensor]
     hiddens: list[torch.Tensor]
-    finished: list[bool] = field(default_factory=list)
 
 
 class _Retry(Exception):
@@ -127,7 +126,7 @@ def _attempt(gpt, emb, input_ids, attention_mask, s: DecodeSettings, stream, int
         end_idx += alive.long()
         stream_iter += int(alive.any())
         if stream and stream_iter > 0 and stream_iter % s.stream_batch == 0:
-            yield _outputs(buf, T0, end_idx, hiddens, s.text_mode, finish)
+            yield _outputs(buf, T0, end_idx, hiddens, s.text_mode)
         if finish.all() or interrupted():
             break
         pbar.update(1)
@@ -137,7 +136,7 @@ def _attempt(gpt, emb, input_ids, attention_mask, s: DecodeSettings, stream, int
             logger.warning("generation is interrupted")
         else:
             logger.warning("incomplete result. hit max_new_token: %d", s.max_new_token)
-    yield _outputs(buf, T0, end_idx, hiddens, s.text_mode, finish)
+    yield _outputs(buf, T0, end_idx, hiddens, s.text_mode)
 
 
 def _step_logits(gpt: ChatGPT, hidden: torch.Tensor, generated: torch.Tensor, text_mode: bool):
@@ -152,7 +151,7 @@ def _step_logits(gpt: ChatGPT, hidden: torch.Tensor, generated: torch.Tensor, te
     return logits, history
 
 
-def _outputs(buf, T0, end_idx, hiddens, text_mode, finish) -> GenerationOutput:
+def _outputs(buf, T0, end_idx, hiddens, text_mode) -> GenerationOutput:
     stacked = torch.stack(hiddens, 1)  # [B, steps, H]
     n = end_idx.tolist()
     ids = [buf[b, T0 : T0 + n[b]] for b in range(buf.size(0))]
@@ -161,5 +160,4 @@ def _outputs(buf, T0, end_idx, hiddens, text_mode, finish) -> GenerationOutput:
     return GenerationOutput(
         ids=[x.clone() for x in ids],
         hiddens=[stacked[b, : n[b]].clone() for b in range(buf.size(0))],
-        finished=finish.tolist(),
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from safetensors.torch import save_file
 
+from ..audio import DVAE, ConvStackConfig, DVAEConfig
 from ..config import ASSET_FILES, SPK_STAT_FILE, GPTConfig
 from .gpt import ChatGPT
 from .tokenizer_files import write_tokenizer
@@ -22,10 +23,10 @@ class CheckpointSize:
 
     gpt: GPTConfig
     """Llama core (``num_text_tokens`` is replaced by the tokenizer's size)."""
-    dvae: tuple
-    """DVAE (codes <-> mel): (decoder stack, dim, encoder stack, vq_dim) as ConvStackConfig field tuples."""
-    decoder: tuple
-    """Decoder (hidden states -> mel): (stack, dim)."""
+    dvae: DVAEConfig
+    """DVAE (codes <-> mel, and wav -> codes)."""
+    decoder: DVAEConfig
+    """Decoder (hidden states -> mel)."""
     vocos: dict = field(default_factory=dict)
     """VocosBackbone sizes: dim, intermediate_dim, num_layers."""
     vocab_size: int | None = None
@@ -35,14 +36,16 @@ class CheckpointSize:
 TINY = CheckpointSize(
     gpt=GPTConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
                   num_hidden_layers=2, max_position_embeddings=4096),
-    dvae=((16, 16, 24, 2, 8), 16, (16, 32, 24, 2, 8), 32),
-    decoder=((32, 32, 24, 2, 8), 32),
+    dvae=DVAEConfig(decoder=ConvStackConfig(16, 16, 24, 2, 8), dim=16, encoder=ConvStackConfig(16, 32, 24, 2, 8),
+                    vq_dim=32),
+    decoder=DVAEConfig(decoder=ConvStackConfig(32, 32, 24, 2, 8), dim=32),
     vocos=dict(dim=32, intermediate_dim=64, num_layers=2),
 )
 FULL = CheckpointSize(
     gpt=GPTConfig(),
-    dvae=((512, 512, 256, 12, 128), 512, (512, 1024, 256, 12, 128), 1024),
-    decoder=((384, 384, 512, 12, 128), 384),
+    dvae=DVAEConfig(decoder=ConvStackConfig(512, 512, 256, 12, 128), dim=512,
+                    encoder=ConvStackConfig(512, 1024, 256, 12, 128), vq_dim=1024),
+    decoder=DVAEConfig(decoder=ConvStackConfig(384, 384, 512, 12, 128), dim=384),
     vocos=dict(dim=512, intermediate_dim=1536, num_layers=8),
     vocab_size=21178,
 )
@@ -70,16 +73,6 @@ def randomize_(module: torch.nn.Module, gen: torch.Generator, scale: float = 0.5
                 p.copy_(scale * torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5)
 
 
-def _dvae_config(spec: tuple, with_encoder: bool):
-    from ..audio import ConvStackConfig, DVAEConfig
-
-    if with_encoder:
-        dec, dim, enc, vq_dim = spec
-        return DVAEConfig(decoder=ConvStackConfig(*dec), dim=dim, encoder=ConvStackConfig(*enc), vq_dim=vq_dim)
-    dec, dim = spec
-    return DVAEConfig(decoder=ConvStackConfig(*dec), dim=dim, encoder=None, vq_dim=None)
-
-
 def _vocos(sizes: dict):
     from vocos import Vocos
     from vocos.feature_extractors import MelSpectrogramFeatures
@@ -95,7 +88,6 @@ def _vocos(sizes: dict):
 
 def build_modules(size: CheckpointSize, seed: int, tokenizer_dir: str) -> RandomModules:
     """Random modules of ``size``; the tokenizer is written to (and read back from) ``tokenizer_dir``."""
-    from ..audio import DVAE
     from ..text import SpeakerStats, Tokenizer
 
     gen = torch.Generator().manual_seed(seed)
@@ -108,8 +100,7 @@ def build_modules(size: CheckpointSize, seed: int, tokenizer_dir: str) -> Random
     with torch.no_grad():  # a louder EOS row: random models then end sentences instead of running to the cap
         for head in gpt.embed.head_code:
             head.parametrizations.weight.original0[-1] *= 2.5
-    dvae = DVAE(_dvae_config(size.dvae, with_encoder=True))
-    decoder = DVAE(_dvae_config(size.decoder, with_encoder=False))
+    dvae, decoder = DVAE(size.dvae), DVAE(size.decoder)
     vocos = _vocos(size.vocos)
     for m in (dvae, decoder, vocos):
         randomize_(m, gen)
@@ -130,7 +121,6 @@ def write_checkpoint(root: str | os.PathLike, size: str = "tiny", seed: int = 0)
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     root = os.fspath(root)
-    asset = os.path.join(root, "asset")
     gpt_dir = os.path.join(root, ASSET_FILES["gpt"])
     os.makedirs(gpt_dir, exist_ok=True)
     mods = build_modules(SIZES[size], seed, os.path.join(root, ASSET_FILES["tokenizer"]))
@@ -143,5 +133,4 @@ def write_checkpoint(root: str | os.PathLike, size: str = "tiny", seed: int = 0)
     _save(mods.vocos.state_dict(), os.path.join(root, ASSET_FILES["vocos"]))
     stats = mods.speaker_stats
     _save({"std": stats.std, "mean": stats.mean}, os.path.join(root, SPK_STAT_FILE))
-    os.makedirs(asset, exist_ok=True)
     return root

@@ -29,6 +29,12 @@ class ModelNotFoundError(FileNotFoundError):
     """No complete ChatTTS checkpoint where we looked; the message says where and how to get one."""
 
 
+def _raise_if_incomplete(root: Path) -> None:
+    missing = missing_assets(root)
+    if missing:
+        raise ModelNotFoundError(f"incomplete ChatTTS checkpoint in {root}: missing {', '.join(missing)}. {HOW_TO_GET}")
+
+
 def missing_assets(root: str | os.PathLike) -> list[str]:
     """Upstream-layout entries absent under ``root`` (empty when the checkpoint is complete)."""
     root = Path(root)
@@ -103,12 +109,9 @@ def resolve_model_dir(source: str = "local", custom_path: str | os.PathLike | No
     if source == "custom" and custom_path is None:
         raise ValueError("source='custom' needs custom_path: the folder that holds asset/")
     root = Path(custom_path if custom_path is not None else os.getcwd())
-    missing = missing_assets(root)
-    if source == "local" and (missing or force_redownload):
+    if source == "local" and (missing_assets(root) or force_redownload):
         _download_into(root)
-        missing = missing_assets(root)
-    if missing:
-        raise ModelNotFoundError(f"incomplete ChatTTS checkpoint in {root}: missing {', '.join(missing)}. {HOW_TO_GET}")
+    _raise_if_incomplete(root)
     return root
 
 
@@ -150,9 +153,7 @@ class ModelLoader:
         if root is None:
             raise ValueError("ModelLoader.load needs the checkpoint folder for load_format='safetensors'")
         root = Path(root)
-        missing = missing_assets(root)
-        if missing:
-            raise ModelNotFoundError(f"incomplete ChatTTS checkpoint in {root}: missing {', '.join(missing)}. {HOW_TO_GET}")
+        _raise_if_incomplete(root)
         return self._load_files(root)
 
     def _load_files(self, root: Path) -> LoadedModel:
