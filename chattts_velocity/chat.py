@@ -23,6 +23,7 @@ import torch
 
 from .params import InferCodeParams, RefineTextParams
 from .reference import DecodeSettings, GenerationOutput, reference_generate
+from .velocity import velocity_generate
 
 logger = logging.getLogger(__name__)
 _SILENCE = np.float32(1e-5)
@@ -44,14 +45,28 @@ class Chat:
     def load(self, source: str = "local", force_redownload: bool = False, compile: bool = False,
              custom_path=None, device: torch.device | str | None = None, coef: str | None = None,
              use_flash_attn: bool = False, use_vllm: bool = False, experimental: bool = False,
-             enable_cache: bool = True, load_format: str = "safetensors") -> bool:
+             enable_cache: bool = True, load_format: str = "safetensors", *, block_size: int = 16,
+             num_kv_blocks: int | None = None, kv_cache_gib: float | None = None, max_num_seqs: int = 64,
+             max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+             engine_dtype: str = "float32") -> bool:
         """Load ChatTTS from ``source`` ("huggingface", "local" or "custom"; see ``resolve_model_dir``), or random
-        full-size weights with ``load_format="dummy"``. ``compile``, ``use_flash_attn``, ``use_vllm``,
-        ``experimental`` and ``enable_cache`` are accepted for compatibility and change nothing here: the fast
-        path is ``infer(..., use_velocity=True)``. Returns True; raises ``ModelNotFoundError``/``ValueError``."""
+        full-size weights with ``load_format="dummy"``, and start the velocity engine over it.
+
+        Engine settings (see ``EngineConfig``): ``block_size`` tokens per KV block; the KV cache as
+        ``num_kv_blocks`` blocks or ``kv_cache_gib`` GiB (default: 40% of free GPU memory, 1 GiB on CPU);
+        ``max_num_seqs`` sequences decoded together; ``max_num_batched_tokens`` tokens per step (longer prompts
+        are prefilled in chunks); ``enable_prefix_caching``; ``engine_dtype`` of the Llama core.
+        ``compile``, ``use_flash_attn``, ``use_vllm``, ``experimental`` and ``enable_cache`` are accepted for
+        compatibility and change nothing. Returns True; raises ``ModelNotFoundError``/``ValueError``."""
         from .audio import AudioDecoder
+        from .engine import EngineConfig, LLMEngine
         from .model.loader import ModelLoader, resolve_model_dir
 
+        engine_config = EngineConfig(
+            block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, dtype=engine_dtype,
+        )
         device = torch.device(device) if device is not None else _default_device()
         loader = ModelLoader(device, load_format)
         root = None if load_format == "dummy" else resolve_model_dir(source, custom_path, force_redownload)
@@ -60,6 +75,7 @@ class Chat:
             _set_coef(model, coef)
         self.model, self.device = model, device
         self.audio = AudioDecoder(model.dvae, model.decoder, model.vocos, device)
+        self.engine = LLMEngine.from_model(model, engine_config, device)
         self.logger.info("ChatTTS loaded from %s on %s", root or "random weights", device)
         return True
 
@@ -69,6 +85,7 @@ class Chat:
     def unload(self) -> None:
         self.model = None
         self.__dict__.pop("audio", None)
+        self.__dict__.pop("engine", None)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -105,9 +122,13 @@ class Chat:
               refine_text_only: bool = False, use_decoder: bool = True, do_text_normalization: bool = True,
               do_homophone_replacement: bool = True, split_text: bool = True, max_split_batch: int = 4,
               params_refine_text: RefineTextParams | None = None,
-              params_infer_code: InferCodeParams | None = None):
+              params_infer_code: InferCodeParams | None = None, use_velocity: bool = True):
         """Text to 24 kHz float32 wavs, as upstream: a list of arrays (one, concatenated, when ``split_text``),
-        refined texts with ``refine_text_only``, or a generator of [B, n] chunks with ``stream``."""
+        refined texts with ``refine_text_only``, or a generator of [B, n] chunks with ``stream``.
+
+        ``use_velocity=True`` decodes refine and code passes with the velocity engine: every text is its own
+        request with the call's ``manual_seed`` (so its audio does not depend on its neighbours) and is decoded
+        to its own length. ``use_velocity=False`` runs the reference loop, which reproduces upstream exactly."""
         model = self._require()
         self._interrupted = False
         refine = params_refine_text if params_refine_text is not None else RefineTextParams()
@@ -117,11 +138,13 @@ class Chat:
         texts = self._prepare_texts(text, split_text, lang, do_text_normalization, do_homophone_replacement)
         if not isinstance(max_split_batch, int) or max_split_batch < 1:
             raise ValueError(f"max_split_batch must be an int >= 1, got {max_split_batch!r}")
+        if not isinstance(use_velocity, bool):
+            raise ValueError(f"use_velocity must be a bool, got {use_velocity!r}")
         if not skip_refine_text:
-            texts = self._refine(texts, refine)
+            texts = self._refine(texts, refine, use_velocity)
             if refine_text_only:
                 return "\n".join(texts) if split_text else texts
-        gen = self._infer_audio(texts, stream, use_decoder, split_text, max_split_batch, code)
+        gen = self._infer_audio(texts, stream, use_decoder, split_text, max_split_batch, code, use_velocity)
         if stream:
             return gen
         stripped = [wav[np.abs(wav) > _SILENCE] for wavs in gen for wav in wavs]
@@ -151,23 +174,25 @@ class Chat:
             texts = [piece for t in texts for piece in split_long(t, tok.count, limit)]
         return texts
 
-    def _refine(self, texts: list[str], params: RefineTextParams) -> list[str]:
+    def _refine(self, texts: list[str], params: RefineTextParams, velocity: bool) -> list[str]:
         """Refined texts; ids from ``[break_0]`` on are dropped, as upstream does."""
         tok = self._require().tokenizer
-        return tok.decode([ids[ids < tok.break_0_ids] for ids in self._refine_ids(texts, params).ids])
+        return tok.decode([ids[ids < tok.break_0_ids] for ids in self._refine_ids(texts, params, velocity).ids])
 
-    def _refine_ids(self, texts: list[str], params: RefineTextParams) -> GenerationOutput:
+    def _refine_ids(self, texts: list[str], params: RefineTextParams, velocity: bool = False) -> GenerationOutput:
         from .text import decorate_text_prompts
 
         tok = self._require().tokenizer
         settings = _settings(params, text_mode=True, eos_id=tok.eos_token, row_cap=tok.len,
                              temperature=params.temperatures(1))
-        return _last(self._generate(decorate_text_prompts(texts, params.prompt), settings, None, None, stream=False))
+        prompts = decorate_text_prompts(texts, params.prompt)
+        return _last(self._generate(prompts, settings, None, None, stream=False, velocity=velocity))
 
-    def _infer_audio(self, texts, stream, use_decoder, split_text, max_split_batch, params: InferCodeParams):
+    def _infer_audio(self, texts, stream, use_decoder, split_text, max_split_batch, params: InferCodeParams,
+                     velocity: bool):
         if split_text and len(texts) > 1 and params.spk_smp is None:
-            first = _last(self._infer_code([texts[0]], False, params))
-            wavs = self.audio.to_wavs(first.hiddens if use_decoder else first.ids, use_decoder)
+            first = _last(self._infer_code([texts[0]], False, params, velocity))
+            wavs = self._wavs(first, use_decoder, velocity)
             params = dataclasses.replace(params, spk_smp=self.sample_audio_speaker(wavs[0]), txt_smp=texts[0])
         if not split_text:
             max_split_batch = len(texts)
@@ -175,12 +200,19 @@ class Chat:
             batch = texts[start : start + max_split_batch]
             if split_text:
                 self.logger.info("infer split %d~%d", start, start + len(batch))
-            results = self._infer_code(batch, stream, params)
+            results = self._infer_code(batch, stream, params, velocity)
             if stream:
                 yield from self._stream_chunks(results, use_decoder, params)
             else:
                 for res in results:
-                    yield self.audio.to_wavs(res.hiddens if use_decoder else res.ids, use_decoder)
+                    yield self._wavs(res, use_decoder, velocity)
+
+    def _wavs(self, res: GenerationOutput, use_decoder: bool, velocity: bool) -> list[np.ndarray]:
+        """Velocity: every sequence decoded at its own length. Reference: one zero-padded batch, as upstream."""
+        seqs = res.hiddens if use_decoder else res.ids
+        if velocity:
+            return self.audio.to_wav_list(seqs, use_decoder)
+        return list(self.audio.to_wavs(seqs, use_decoder))
 
     def _stream_chunks(self, results: Iterator[GenerationOutput], use_decoder: bool,
                        params: InferCodeParams) -> Iterator[np.ndarray]:
@@ -196,7 +228,8 @@ class Chat:
         tail = wavs[:, length:]
         yield tail[:, np.sum(np.abs(tail) > _SILENCE, axis=0) > 0]
 
-    def _infer_code(self, texts: list[str], stream: bool, params: InferCodeParams) -> Iterator[GenerationOutput]:
+    def _infer_code(self, texts: list[str], stream: bool, params: InferCodeParams,
+                    velocity: bool = False) -> Iterator[GenerationOutput]:
         from .text import decode_prompt, decorate_code_prompts, speaker_vector
 
         model = self._require()
@@ -208,10 +241,10 @@ class Chat:
         prompts = decorate_code_prompts(texts, params.prompt, params.txt_smp, params.spk_emb is not None)
         settings = _settings(params, text_mode=False, eos_id=cfg.eos_code, row_cap=cfg.eos_code,
                              temperature=params.temperatures(cfg.num_vq), stream_batch=params.stream_batch)
-        return self._generate(prompts, settings, prompt, spk_vec, stream)
+        return self._generate(prompts, settings, prompt, spk_vec, stream, velocity)
 
     def _generate(self, prompts: list[str], settings: DecodeSettings, prompt_codes, spk_vec,
-                  stream: bool) -> Iterator[GenerationOutput]:
+                  stream: bool, velocity: bool = False) -> Iterator[GenerationOutput]:
         model = self._require()
         cfg = model.config
         input_ids, attention_mask, text_mask = model.tokenizer.encode(prompts, cfg.num_vq, prompt=prompt_codes)
@@ -223,6 +256,9 @@ class Chat:
                 f"txt_smp) has {length} tokens, the model holds {cfg.max_position_embeddings}; shorten the text or "
                 "txt_smp, or let infer split it (split_text=True)"
             )
+        if velocity:  # the engine caps each request by its own room
+            return velocity_generate(self.engine, model.tokenizer, prompts, settings, prompt_codes, spk_vec, stream,
+                                     interrupted=lambda: self._interrupted)
         if settings.max_new_token > room:
             self.logger.warning("max_new_token %d capped to %d by the model's context", settings.max_new_token, room)
             settings = dataclasses.replace(settings, max_new_token=room,

@@ -5,18 +5,22 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from chattts_velocity import Chat
 
+both_paths = pytest.mark.parametrize("use_velocity", [True, False], ids=["velocity", "reference"])
 
-def test_interrupt_stops_a_stream_early(chat):
+
+@both_paths
+def test_interrupt_stops_a_stream_early(chat, use_velocity):
     kw = dict(manual_seed=1, max_new_token=200, min_new_token=200, stream_batch=4, pass_first_n_batches=0,
               stream_speed=512, show_tqdm=False)
     full = list(chat.infer(["hello world"], stream=True, skip_refine_text=True, split_text=False,
-                           params_infer_code=Chat.InferCodeParams(**kw)))
+                           params_infer_code=Chat.InferCodeParams(**kw), use_velocity=use_velocity))
     chunks = []
     for chunk in chat.infer(["hello world"], stream=True, skip_refine_text=True, split_text=False,
-                            params_infer_code=Chat.InferCodeParams(**kw)):
+                            params_infer_code=Chat.InferCodeParams(**kw), use_velocity=use_velocity):
         chunks.append(chunk)
         chat.interrupt()
     total_full = sum(c.shape[1] for c in full)
@@ -25,11 +29,13 @@ def test_interrupt_stops_a_stream_early(chat):
     assert 0 < total_cut < total_full / 4
 
 
-def test_interrupt_from_another_thread_returns_partial_audio(chat):
+@both_paths
+def test_interrupt_from_another_thread_returns_partial_audio(chat, use_velocity):
     params = Chat.InferCodeParams(manual_seed=1, max_new_token=400, min_new_token=400, show_tqdm=False)
     timer = threading.Timer(0.2, chat.interrupt)
     timer.start()
-    wavs = chat.infer(["hello world"], skip_refine_text=True, split_text=False, params_infer_code=params)
+    wavs = chat.infer(["hello world"], skip_refine_text=True, split_text=False, params_infer_code=params,
+                      use_velocity=use_velocity)
     timer.join()
     assert 0 < wavs[0].size < 400 * 512
 

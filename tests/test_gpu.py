@@ -31,7 +31,7 @@ def test_reference_path_matches_upstream_on_cuda(cuda_pair):
     ref = next(up._infer_code(list(TEXTS), False, torch.device("cuda"), True, up.InferCodeParams(**kw)))
     for a, b in zip(out.ids, ref.ids, strict=True):
         assert torch.equal(a.cpu(), b.cpu())
-    ours_w = ours.infer(list(TEXTS), skip_refine_text=True, split_text=False,
+    ours_w = ours.infer(list(TEXTS), use_velocity=False, skip_refine_text=True, split_text=False,
                         params_infer_code=ours.InferCodeParams(**kw))
     up_w = up.infer(list(TEXTS), skip_refine_text=True, split_text=False, params_infer_code=up.InferCodeParams(**kw))
     for a, b in zip(ours_w, up_w, strict=True):

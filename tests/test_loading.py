@@ -52,7 +52,7 @@ def test_upstream_loads_our_checkpoint_and_agrees(tiny_dir):
     ours = Chat()
     ours.load(source="custom", custom_path=tiny_dir, device="cpu")
     kw = dict(manual_seed=2, max_new_token=20, show_tqdm=False)
-    a = ours.infer(["hello world"], skip_refine_text=True, split_text=False,
+    a = ours.infer(["hello world"], use_velocity=False, skip_refine_text=True, split_text=False,
                    params_infer_code=ours.InferCodeParams(**kw))[0]
     b = up.infer(["hello world"], skip_refine_text=True, split_text=False,
                  params_infer_code=up.InferCodeParams(**kw))[0]

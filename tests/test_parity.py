@@ -70,7 +70,7 @@ def test_codes_hiddens_and_wavs_match_upstream(chat, upstream_chat, use_decoder)
         for a, b in zip(out.hiddens, ref.hiddens, strict=True):
             assert_close(a, b, "hidden states")
     kw = dict(skip_refine_text=True, split_text=False, use_decoder=use_decoder)
-    ours = chat.infer(list(TEXTS), params_infer_code=code_params(chat.InferCodeParams, spk_emb=spk), **kw)
+    ours = chat.infer(list(TEXTS), use_velocity=False, params_infer_code=code_params(chat.InferCodeParams, spk_emb=spk), **kw)
     theirs = upstream_chat.infer(list(TEXTS), params_infer_code=code_params(upstream_chat.InferCodeParams,
                                                                           spk_emb=spk), **kw)
     assert len(ours) == len(theirs) == len(TEXTS)
@@ -94,7 +94,7 @@ def test_sequences_end_at_eos_like_upstream(chat, upstream_chat):
 def test_refine_tokens_match_upstream(chat, upstream_chat):
     kw = dict(manual_seed=3, max_new_token=30, show_tqdm=False)
     ref = upstream_chat._refine_text(list(TEXTS), torch.device("cpu"), upstream_chat.RefineTextParams(**kw))
-    ours = chat.infer(list(TEXTS), refine_text_only=True, split_text=False,
+    ours = chat.infer(list(TEXTS), use_velocity=False, refine_text_only=True, split_text=False,
                       params_refine_text=chat.RefineTextParams(**kw))
     theirs = upstream_chat.infer(list(TEXTS), refine_text_only=True, split_text=False,
                                  params_refine_text=upstream_chat.RefineTextParams(**kw))
@@ -111,7 +111,7 @@ def test_voice_sample_matches_upstream(chat, upstream_chat):
     smp = chat.sample_audio_speaker(wav)
     assert smp == upstream_chat.sample_audio_speaker(wav.copy())
     kw = dict(spk_smp=smp, txt_smp="hello world")
-    ours = chat.infer(list(TEXTS[:2]), skip_refine_text=True, split_text=False,
+    ours = chat.infer(list(TEXTS[:2]), use_velocity=False, skip_refine_text=True, split_text=False,
                       params_infer_code=code_params(chat.InferCodeParams, **kw))
     theirs = upstream_chat.infer(list(TEXTS[:2]), skip_refine_text=True, split_text=False,
                                  params_infer_code=code_params(upstream_chat.InferCodeParams, **kw))
@@ -128,7 +128,7 @@ def test_public_infer_default_splitting_matches_upstream(chat, upstream_chat):
     theirs = upstream_chat.infer(text, params_infer_code=up_code,
                                  params_refine_text=upstream_chat.RefineTextParams(**kw_r))
     our_code = chat.InferCodeParams(**kw_c)
-    ours = chat.infer(text, params_infer_code=our_code, params_refine_text=chat.RefineTextParams(**kw_r))
+    ours = chat.infer(text, use_velocity=False, params_infer_code=our_code, params_refine_text=chat.RefineTextParams(**kw_r))
     assert len(ours) == len(theirs) == 1
     assert_close(ours[0], theirs[0], "concatenated wav")
     assert our_code.spk_smp is None and our_code.txt_smp is None, "infer() mutated the caller's params"
@@ -139,7 +139,7 @@ def test_stream_chunks_match_upstream(chat, upstream_chat):
     kw = dict(manual_seed=4, max_new_token=60, stream_batch=8, stream_speed=3000, pass_first_n_batches=1,
               show_tqdm=False)
     args = dict(stream=True, skip_refine_text=True, split_text=False)
-    ours = list(chat.infer(list(TEXTS[:2]), params_infer_code=chat.InferCodeParams(**kw), **args))
+    ours = list(chat.infer(list(TEXTS[:2]), use_velocity=False, params_infer_code=chat.InferCodeParams(**kw), **args))
     theirs = list(upstream_chat.infer(list(TEXTS[:2]), params_infer_code=upstream_chat.InferCodeParams(**kw),
                                       **args))
     assert len(ours) == len(theirs) >= 3
@@ -164,6 +164,6 @@ def test_sequence_ending_at_the_first_step_with_a_seed(chat, upstream_chat):
     out = list(chat._infer_code(list(TEXTS), False, code_params(chat.InferCodeParams, spk_emb=spk)))[-1]
     lengths = [len(x) for x in out.ids]
     assert 0 in lengths and max(lengths) > 1
-    wavs = chat.infer(list(TEXTS), skip_refine_text=True, split_text=False,
+    wavs = chat.infer(list(TEXTS), use_velocity=False, skip_refine_text=True, split_text=False,
                       params_infer_code=code_params(chat.InferCodeParams, spk_emb=spk))
     assert len(wavs) == len(TEXTS) and all(np.isfinite(w).all() for w in wavs)

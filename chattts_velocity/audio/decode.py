@@ -31,6 +31,22 @@ class AudioDecoder:
         vocos_device = next(self.vocos.parameters()).device
         return self.vocos.decode(mel.to(vocos_device)).float().cpu().numpy()  # [B, S]
 
+    def to_wav_list(self, results: list[Tensor], use_decoder: bool) -> list[np.ndarray]:
+        """Like ``to_wavs``, but every sequence is decoded at its own length (no padding reaches its audio);
+        sequences of equal length share one batch."""
+        wavs: list[np.ndarray | None] = [None] * len(results)
+        by_len: dict[int, list[int]] = {}
+        for i, r in enumerate(results):
+            by_len.setdefault(r.shape[0], []).append(i)
+        for length, idx in by_len.items():
+            if length == 0:
+                for i in idx:
+                    wavs[i] = np.zeros(0, dtype=np.float32)
+                continue
+            for i, wav in zip(idx, self.to_wavs([results[i] for i in idx], use_decoder), strict=True):
+                wavs[i] = wav
+        return wavs
+
     @torch.inference_mode()
     def sample_audio(self, wav: np.ndarray | Tensor) -> Tensor:
         """Mono 24 kHz wav [S] float -> speaker-sample codes [G*R, T] int32 (``DVAE.encode`` checks the input)."""

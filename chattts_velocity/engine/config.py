@@ -1,0 +1,54 @@
+"""``EngineConfig``: the engine's one configuration object, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """KV cache, batching and numeric settings of the velocity engine."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = None
+    """KV blocks to allocate; None sizes the cache from ``kv_cache_gib``."""
+    kv_cache_gib: float | None = None
+    """KV cache memory; None: 40% of free GPU memory on CUDA, 1 GiB on CPU (never more than
+    ``max_num_seqs`` full contexts need)."""
+    max_num_seqs: int = 64
+    """Sequences decoded together (running at once)."""
+    max_num_batched_tokens: int = 2048
+    """Tokens computed per step; longer prompts are prefilled in chunks of at most this many."""
+    enable_prefix_caching: bool = True
+    """Share the KV of equal prompt prefixes (same ids, text/audio layout and speaker) between requests."""
+    watermark: float = 0.01
+    """Fraction of blocks kept free when admitting requests, so running ones can grow without preemption."""
+    dtype: str = "float32"
+    """Dtype of the Llama core and its KV cache: float32, float16 or bfloat16 (logits are always float32)."""
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_gib is not None and not (isinstance(self.kv_cache_gib, (int, float)) and self.kv_cache_gib > 0):
+            raise ValueError(f"kv_cache_gib must be a number > 0 or None, got {self.kv_cache_gib!r}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -1,0 +1,168 @@
+"""``Sampler``: ChatTTS's logits chain for a whole batch at once, every row with its own parameters, and seeded
+sampling that is batch-invariant.
+
+Rows are (sequence, codebook) pairs in code mode and sequences in text mode. The chain is upstream's order
+(temperature -> repetition penalty -> top-p -> top-k -> EOS mask below ``min_new_tokens``), applied row-wise,
+so a row's result never depends on its neighbours. Sampling is an exponential race (argmax of p / E with
+E = -log U), where U comes from a counter-based hash of (seed, step, codebook, id): the same request gives
+the same tokens alone, in any batch, in any order, and after preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..sampling.processors import MIN_TOKENS_TO_KEEP
+from .sequence import Sequence, Token
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for uint32 values held in int64, without overflowing int64."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer finaliser (the "lowbias32" constants): every input bit flips about half the output bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: Tensor, step: Tensor, lane: Tensor, vocab: int) -> Tensor:
+    """Uniform (0, 1) numbers [R, vocab] float32, a pure function of (seed, step, lane, column) per row.
+
+    seed [R] int64 in [0, 2**63); step [R] int64 (tokens generated so far); lane [R] int64 (codebook)."""
+    h = _mix32((seed >> 32) & _M32)
+    h = _mix32(h ^ (seed & _M32))
+    h = _mix32(h ^ (step & _M32))
+    h = _mix32(h ^ (lane & _M32))  # [R]
+    cols = _mix32(torch.arange(vocab, device=seed.device, dtype=torch.int64) + 0x9E3779B9)  # [V]
+    bits = _mix32(h[:, None] ^ cols[None, :])  # [R, V]
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters as tensors on the device. R rows."""
+
+    temperature: Tensor  # [R, 1] float32
+    top_p: Tensor  # [R, 1] float32 (1 = off)
+    top_k: Tensor  # [R] int64 (vocab = off)
+    penalty: Tensor  # [R, 1] float32 (1 = off)
+    history: Tensor  # [R, W] int64 recent generated ids, -1 = empty
+    ban_eos: Tensor  # [R] bool
+    seed: Tensor  # [R] int64
+    step: Tensor  # [R] int64
+    lane: Tensor  # [R] int64
+
+
+def process_rows(logits: Tensor, p: RowParams, eos_id: int) -> Tensor:
+    """The ChatTTS chain on [R, V] float32 logits with per-row parameters; returns filtered logits."""
+    logits = logits / p.temperature
+    logits = _penalise(logits, p.history, p.penalty)
+    logits = _top_p(logits, p.top_p)
+    logits = _top_k(logits, p.top_k)
+    eos = logits[:, eos_id]
+    logits[:, eos_id] = torch.where(p.ban_eos, torch.full_like(eos, -float("inf")), eos)
+    return logits
+
+
+def _penalise(logits: Tensor, history: Tensor, penalty: Tensor) -> Tensor:
+    vocab = logits.size(1)
+    slots = torch.where(history < 0, vocab, history)  # empty slots count into a dropped extra column
+    freq = torch.zeros(logits.size(0), vocab + 1, device=logits.device, dtype=torch.float32)
+    freq.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.float32))
+    alpha = torch.pow(penalty, freq[:, :vocab])
+    return torch.where(logits < 0, logits * alpha, logits / alpha)
+
+
+def _top_p(logits: Tensor, top_p: Tensor) -> Tensor:
+    sorted_logits, order = torch.sort(logits, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cum <= (1 - top_p)
+    drop_sorted[:, -MIN_TOKENS_TO_KEEP:] = False
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, -float("inf"))
+
+
+def _top_k(logits: Tensor, top_k: Tensor) -> Tensor:
+    k = top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=logits.size(1))
+    kth = torch.sort(logits, descending=True)[0].gather(1, (k - 1)[:, None])  # [R, 1]
+    return logits.masked_fill(logits < kth, -float("inf"))
+
+
+def sample_rows(logits: Tensor, p: RowParams, eos_id: int) -> Tensor:
+    """[R, V] logits -> [R] sampled ids."""
+    probs = torch.softmax(process_rows(logits, p, eos_id), dim=-1)
+    race = -torch.log(counter_uniform(p.seed, p.step, p.lane, logits.size(1)))  # Exp(1) per (row, id)
+    return torch.argmax(probs / race, dim=-1)
+
+
+class Sampler:
+    """Samples the next token of every sequence that reached its last position, code and text mode mixed."""
+
+    def __init__(self, embed, num_vq: int, code_eos: int, text_eos: int):
+        self.embed = embed
+        self.num_vq = num_vq
+        self.code_eos = code_eos
+        self.text_eos = text_eos
+
+    @torch.inference_mode()
+    def __call__(self, hidden: Tensor, seqs: list[Sequence]) -> list[Token]:
+        """hidden [S, H] float32, one row per sequence -> one token per sequence."""
+        tokens: list[Token | None] = [None] * len(seqs)
+        for text_mode in (False, True):
+            idx = [i for i, s in enumerate(seqs) if s.text_mode == text_mode]
+            if idx:
+                group = [seqs[i] for i in idx]
+                rows = hidden[torch.tensor(idx, device=hidden.device)]
+                for i, tok in zip(idx, self._sample_group(rows, group, text_mode), strict=True):
+                    tokens[i] = tok
+        return tokens
+
+    def _sample_group(self, hidden: Tensor, seqs: list[Sequence], text_mode: bool) -> list[Token]:
+        if text_mode:
+            logits = self.embed.text_logits(hidden)  # [S, V]
+            ids = sample_rows(logits, self._params(seqs, 1, hidden.device), self.text_eos).tolist()
+            return [(t,) * self.num_vq for t in ids]
+        logits = self.embed.code_logits(hidden)  # [S, V, Q]
+        logits = logits.permute(0, 2, 1).reshape(-1, logits.size(1))  # [S*Q, V]
+        ids = sample_rows(logits, self._params(seqs, self.num_vq, hidden.device), self.code_eos)
+        return [tuple(row) for row in ids.view(len(seqs), self.num_vq).tolist()]
+
+    def _params(self, seqs: list[Sequence], lanes: int, device: torch.device) -> RowParams:
+        temps, top_p, top_k, pen, hist, ban, seed, step, lane = ([] for _ in range(9))
+        vocab_big = 1 << 30
+        width = max(s.params.penalty_window for s in seqs)
+        for s in seqs:
+            p = s.params
+            recent = s.tokens[max(s.prompt_len, len(s) - p.penalty_window) :]
+            temps += p.temperatures(self.num_vq)
+            for q in range(lanes):
+                top_p.append(1.0 if p.top_p is None else p.top_p)
+                top_k.append(vocab_big if p.top_k is None else p.top_k)
+                pen.append(1.0 if p.repetition_penalty is None else p.repetition_penalty)
+                hist.append([t[q] for t in recent] + [-1] * (width - len(recent)))
+                ban.append(s.num_generated < p.min_new_tokens)
+                seed.append(s.seed)
+                step.append(s.num_generated)
+                lane.append(q)
+
+        def f32(v):
+            return torch.tensor(v, dtype=torch.float32, device=device)[:, None]
+
+        def i64(v):
+            return torch.tensor(v, dtype=torch.int64, device=device)
+
+        return RowParams(temperature=f32(temps), top_p=f32(top_p), top_k=i64(top_k), penalty=f32(pen),
+                         history=i64(hist), ban_eos=torch.tensor(ban, device=device), seed=i64(seed),
+                         step=i64(step), lane=i64(lane))

@@ -1,0 +1,81 @@
+"""``SamplingParams``: how one request is decoded. Every request carries its own; a batch mixes them freely."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from ..params import _is_int, _is_num
+from ..sampling.processors import PENALTY_WINDOW
+
+
+class Mode(str, Enum):
+    CODE = "code"
+    """Audio: each step emits one code per codebook; any codebook's EOS ends the sequence."""
+    TEXT = "text"
+    """Refine: each step emits one text token."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings (ChatTTS's logits chain, in its order)."""
+
+    mode: Mode = Mode.CODE
+    """``Mode.CODE`` (audio codes) or ``Mode.TEXT`` (refine)."""
+    temperature: tuple[float, ...] = (0.3,)
+    """One per codebook (code mode), or one value used for every codebook / the text head."""
+    top_p: float | None = 0.7
+    """Nucleus mass in (0, 1]; None disables."""
+    top_k: int | None = 20
+    """Keep the k best (at least 3); None disables."""
+    repetition_penalty: float | None = 1.05
+    """ChatTTS penalty over the last ``penalty_window`` generated ids of each codebook; None or 1 disables."""
+    penalty_window: int = PENALTY_WINDOW
+    """How many recent generated tokens the penalty counts."""
+    min_new_tokens: int = 0
+    """EOS is masked until this many tokens were generated."""
+    max_new_tokens: int = 2048
+    """Generation stops (finish reason ``length``) after this many tokens."""
+    seed: int | None = None
+    """Seeded sampling is batch-invariant: same seed, same output, whatever else runs. None draws a seed
+    from Python's ``random`` at ``add_request``."""
+    return_hidden_states: bool = True
+    """Return the final-norm hidden state of every generated token (what ``use_decoder=True`` decodes)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
+        temps = self.temperature if isinstance(self.temperature, (tuple, list)) else (self.temperature,)
+        object.__setattr__(self, "temperature", tuple(temps))
+
+    def validate(self, num_vq: int) -> None:
+        """Raise ``ValueError`` naming the first bad field and what it accepts."""
+        if len(self.temperature) not in (1, num_vq) or (self.mode is Mode.TEXT and len(self.temperature) != 1):
+            allowed = "1 value" if self.mode is Mode.TEXT else f"1 or {num_vq} values"
+            raise ValueError(f"temperature must have {allowed}, got {len(self.temperature)}")
+        for t in self.temperature:
+            _check(_is_num(t) and t > 0, "temperature", t, "numbers > 0")
+        if self.top_p is not None:
+            _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1] or None")
+        if self.top_k is not None:
+            _check(_is_int(self.top_k) and self.top_k >= 1, "top_k", self.top_k, "an int >= 1 or None")
+        if self.repetition_penalty is not None:
+            _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                   self.repetition_penalty, "a number > 0 or None")
+        _check(_is_int(self.penalty_window) and self.penalty_window >= 1, "penalty_window", self.penalty_window,
+               "an int >= 1")
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens,
+               "an int >= 1")
+        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+               self.min_new_tokens, f"an int in [0, max_new_tokens={self.max_new_tokens}]")
+        if self.seed is not None:
+            _check(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", self.seed, "None or an int in [0, 2**63)")
+
+    def temperatures(self, num_vq: int) -> tuple[float, ...]:
+        """One temperature per output row: ``num_vq`` in code mode, 1 in text mode."""
+        rows = 1 if self.mode is Mode.TEXT else num_vq
+        return self.temperature if len(self.temperature) == rows else self.temperature * rows
+
+
+def _check(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")

@@ -1,0 +1,107 @@
+"""``Scheduler``: continuous batching. Every step it picks, first come first served, how many tokens of each
+sequence to compute: running sequences first (a decode is one token, a prefill a chunk of its prompt), then
+waiting ones while the token budget, the sequence limit and the KV blocks allow. When blocks run out the most
+recently admitted sequence is preempted: its blocks are freed and it is recomputed later (its prefix may still
+be in the prefix cache). Pure Python: no torch."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockSpaceManager
+from .sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    """Tokens computed this step, from ``start`` on."""
+    start: int = field(init=False)
+    """``seq.num_computed_tokens`` when scheduled."""
+    samples: bool = field(init=False)
+    """This step reaches the sequence's last token, so its next token is sampled."""
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return budget
+            self.block_manager.allocate(seq, num_new)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = bm.lookup_prefix(seq)
+            num_new = min(len(seq) - len(hits) * bm.block_size, budget)
+            # The watermark keeps room for running sequences to grow; with none running it only blocks progress.
+            if not bm.can_allocate(seq, num_new, hits, watermark=bool(self.running)):
+                return
+            self.waiting.popleft()
+            bm.allocate(seq, num_new, hits)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End ``seq`` (EOS, length or abort) wherever it is and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason)

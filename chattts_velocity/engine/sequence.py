@@ -1,0 +1,145 @@
+"""``Sequence`` (the decoding state of one request) and ``SequenceGroup`` (the request: its sequence plus what
+has been reported to the caller). ChatTTS samples one sequence per request (no beam search, no n > 1)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import Mode, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    EOS = "eos"
+    """A codebook (or the text head) sampled EOS; EOS is not part of the output."""
+    LENGTH = "length"
+    """``max_new_tokens``, the model's context or the KV cache's capacity was reached."""
+    ABORT = "abort"
+    """``abort_request`` was called."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request's input: token ids over the codebooks, which positions are text, and the speaker vector.
+
+    ``ids`` [T, num_vq] int64 (a text id is repeated over the codebooks, as upstream's tokenizer does);
+    ``text_mask`` [T] bool (False = audio position, embedded as the sum of its codes);
+    ``speaker`` [H] float, written at the ``[spk_emb]`` positions, or None."""
+
+    ids: torch.Tensor
+    text_mask: torch.Tensor
+    speaker: torch.Tensor | None = None
+
+
+Token = tuple[int, ...]
+"""One position: ``num_vq`` ids (a text token repeats its id)."""
+
+
+class Sequence:
+    """Tokens (prompt + generated), KV bookkeeping and outputs of one request."""
+
+    def __init__(self, seq_id: int, request_id: str, tokens: list[Token], is_text: list[bool],
+                 speaker: torch.Tensor | None, speaker_key: bytes, params: SamplingParams, seed: int,
+                 max_tokens: int):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.tokens = tokens
+        self.is_text = is_text
+        self.prompt_len = len(tokens)
+        self.speaker = speaker
+        self.speaker_key = speaker_key
+        """Digest of the speaker vector: part of every prefix-cache key of this sequence."""
+        self.params = params
+        self.seed = seed
+        self.max_tokens = max_tokens
+        """Total tokens (prompt + generated) this sequence may reach: model context and KV capacity."""
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        """Tokens whose K/V are in the cache (prefix-cache hits included)."""
+        self.block_table: list[int] = []
+        self.num_cached_blocks = 0
+        """Leading blocks of ``block_table`` already offered to the prefix cache."""
+        self.block_hashes: list[bytes] = []
+        """Content hashes of the full blocks of ``tokens`` computed so far (a chain; see BlockSpaceManager)."""
+        self.hidden_states: list[torch.Tensor] = []
+        """Final-norm hidden state [H] that produced each generated token."""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def text_mode(self) -> bool:
+        return self.params.mode is Mode.TEXT
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append(self, token: Token, hidden: torch.Tensor | None) -> None:
+        self.tokens.append(token)
+        self.is_text.append(self.text_mode)
+        if hidden is not None:
+            self.hidden_states.append(hidden)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def output_ids(self, start: int = 0) -> torch.Tensor:
+        """Generated ids from ``start``: [n, num_vq] (code mode) or [n] (text mode), int64."""
+        gen = self.tokens[self.prompt_len + start :]
+        ids = torch.tensor(gen, dtype=torch.int64).reshape(len(gen), len(self.tokens[0]))
+        return ids[:, 0] if self.text_mode else ids
+
+    def output_hidden(self, hidden_size: int, start: int = 0) -> torch.Tensor | None:
+        """Hidden states [n, H] of the generated tokens from ``start`` (None when not requested)."""
+        if not self.params.return_hidden_states:
+            return None
+        rows = self.hidden_states[start:]
+        return torch.stack(rows).float() if rows else torch.empty(0, hidden_size)
+
+
+class SequenceGroup:
+    """A request: its sequence, its arrival order, and how much of the output was already reported."""
+
+    def __init__(self, seq: Sequence, arrival: int):
+        self.seq = seq
+        self.request_id = seq.request_id
+        self.arrival = arrival
+        self.num_reported = 0
+        """Generated tokens already returned by ``LLMEngine.step``."""
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLMEngine.step`` reports for one request that advanced (or finished) in that step.
+
+    ``new_token_ids``/``new_hidden_states`` hold the tokens generated since the last report ([n, num_vq] or [n]
+    ids; [n, H] hidden states, None unless requested). When ``finished``, ``token_ids``/``hidden_states``
+    hold the whole output."""
+
+    request_id: str
+    new_token_ids: torch.Tensor
+    new_hidden_states: torch.Tensor | None
+    num_generated: int
+    finished: bool
+    finish_reason: FinishReason | None = None
+    token_ids: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None

@@ -1,0 +1,37 @@
+"""The Llama-core ops of the paged-KV engine: Triton kernels on CUDA, torch references on CPU.
+
+Each op has a checked public launcher and a ``*_ref`` torch reference (the CPU path and the tests' oracle).
+Triton is imported only when an op runs on it, so ``import chattts_velocity.kernels`` needs neither triton nor
+a GPU; set ``TRITON_INTERPRET=1`` before the first op runs to send CPU tensors through the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+from ._dispatch import use_triton
+from .activation import silu_and_mul, silu_and_mul_ref
+from .attention import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+)
+from .kv_cache import store_kv, store_kv_ref
+from .norm import rms_norm, rms_norm_ref
+from .rotary import apply_rotary, apply_rotary_ref, rotary_cos_sin_cache
+
+__all__ = [
+    "apply_rotary",
+    "apply_rotary_ref",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rotary_cos_sin_cache",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "store_kv",
+    "store_kv_ref",
+    "use_triton",
+]

@@ -1,0 +1,115 @@
+"""Paged decode attention: one program per (sequence, q head, context split), online softmax over KV tiles.
+
+With several splits (flash-decoding) each program leaves an unnormalised partial result and its running
+max/sum, and a second kernel merges the splits. A batch with fewer (sequence, head) pairs than SMs needs
+that to use the whole GPU: batch 1 x 12 heads would keep 12 of an H100's 132 SMs busy.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._launch import sm_count
+from .paged import kv_offsets
+
+_LOG2E = 1.4426950408889634
+_MIN_SPLIT_TOKENS = 128  # below this a split's fixed cost outweighs the parallelism it adds
+_PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, m_ptr, l_ptr,
+                   qk_scale, q_stride_seq, q_stride_head, bt_stride, split_len, num_kv_heads, group,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    seq, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = seq * tl.num_programs(1) + head  # index of (seq, head) in out
+    start = split * split_len
+    end = tl.minimum(start + split_len, tl.load(context_lens_ptr + seq))
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * q_stride_seq + head * q_stride_head + dims).to(tl.float32)
+    q = q * qk_scale  # [D]; scores come out in log2 units for exp2
+    bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride
+    kv_head_offset = (head // group) * HEAD_DIM
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    # Every tile starts below `end`, so it holds a valid token and m_i is finite after the first one.
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + tl.arange(0, BLOCK_N)
+        valid = tokens < end
+        offs = kv_offsets(bt_row, tokens, valid, kv_head_offset, num_kv_heads * HEAD_DIM, BLOCK_SIZE)
+        offs = offs[:, None] + dims[None, :]  # [BLOCK_N, D]
+        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        scores = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # [BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    if SPLIT:
+        part = row * tl.num_programs(2) + split
+        tl.store(m_ptr + part, m_i)
+        tl.store(l_ptr + part, l_i)
+        tl.store(out_ptr + part.to(tl.int64) * HEAD_DIM + dims, acc)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)
+        tl.store(out_ptr + row.to(tl.int64) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS)
+    valid = splits < num_splits
+    m = tl.load(m_ptr + row * num_splits + splits, mask=valid, other=float("-inf"))  # [SPLITS]
+    l = tl.load(l_ptr + row * num_splits + splits, mask=valid, other=0.0)
+    m_max = tl.max(m, axis=0)
+    weights = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits (m = -inf) weigh 0
+    offs = (row * num_splits + splits)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]  # [SPLITS, D]
+    acc = tl.sum(tl.load(acc_ptr + offs, mask=valid[:, None], other=0.0) * weights[:, None], axis=0)
+    total = tl.sum(l * weights, axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + tl.arange(0, HEAD_DIM), out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                                  context_lens: Tensor, scale: float, num_splits: int | None) -> Tensor:
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    # The interpreter runs small tiles so tiny test contexts still cross several of them.
+    block_n = 64 if q.is_cuda else 16
+    # The block table's width bounds every context without reading context_lens back from the GPU.
+    max_context = max(block_tables.shape[1] * block_size, 1)
+    if num_splits is None:
+        num_splits = _auto_splits(batch * num_heads, max_context, q.device)
+    split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    num_splits = max(triton.cdiv(max_context, split_len), 1)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a view
+    split = num_splits > 1
+    if split:
+        partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+    else:
+        partial, m, l = out, out, out  # m and l are unused without splits
+    _decode_kernel[(batch, num_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, partial, m, l, scale * _LOG2E, q.stride(0), q.stride(1),
+        block_tables.stride(0), split_len, num_kv_heads, num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, num_warps=4)
+    if split:
+        _merge_splits_kernel[(batch * num_heads,)](partial, m, l, out, num_splits, HEAD_DIM=head_dim,
+                                                   SPLITS=triton.next_power_of_2(num_splits), num_warps=1)
+    return out
+
+
+def _auto_splits(programs: int, max_context: int, device: torch.device) -> int:
+    """Enough splits to give every SM ``_PROGRAMS_PER_SM`` programs, none shorter than ``_MIN_SPLIT_TOKENS``."""
+    if device.type != "cuda":
+        return 1
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), programs)
+    return max(min(wanted, triton.cdiv(max_context, _MIN_SPLIT_TOKENS)), 1)

@@ -1,0 +1,109 @@
+"""The engine's Llama core: the ChatTTS GPT's 20 layers over a paged KV cache, as a flat batch of tokens.
+
+Weights are taken from the transformers ``LlamaModel`` (q/k/v and gate/up fused into one matrix each, so a layer
+is four GEMMs). Every non-GEMM op comes from ``chattts_velocity.kernels``: Triton on CUDA, the torch reference on
+CPU. Inputs are embeddings (ChatTTS builds them from codes, text ids and the speaker vector).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged cache. N tokens of S sequences, flattened."""
+
+    positions: Tensor
+    """[N] int64: position of each token in its sequence."""
+    slot_mapping: Tensor
+    """[N] int64: cache slot (block * block_size + offset) each token's K/V is written to."""
+    cu_seqlens_q: Tensor
+    """[S + 1] int32: token offsets of the sequences in the flat batch."""
+    context_lens: Tensor
+    """[S] int32: cached tokens of each sequence after this step (prefix + new)."""
+    block_tables: Tensor
+    """[S, max_blocks] int32."""
+    decode_only: bool
+    """Every sequence computes exactly one token (pure decode step)."""
+
+
+@dataclass
+class _Layer:
+    input_norm: Tensor
+    qkv: Tensor  # [(Hq + 2 Hk) * D, H]
+    o: Tensor  # [H, Hq * D]
+    post_norm: Tensor
+    gate_up: Tensor  # [2 I, H]
+    down: Tensor  # [H, I]
+
+
+class LlamaCore:
+    def __init__(self, llama, dtype: torch.dtype, device: torch.device):
+        cfg = llama.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.dtype = dtype
+
+        def w(t: Tensor) -> Tensor:
+            return t.detach().to(device=device, dtype=dtype).contiguous()
+
+        self.layers = []
+        for layer in llama.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                input_norm=w(layer.input_layernorm.weight),
+                qkv=w(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+                o=w(att.o_proj.weight),
+                post_norm=w(layer.post_attention_layernorm.weight),
+                gate_up=w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                down=w(mlp.down_proj.weight),
+            ))
+        self.norm = w(llama.norm.weight)
+        theta = cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta
+        self.cos_sin = kernels.rotary_cos_sin_cache(self.head_dim, cfg.max_position_embeddings, theta, device)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def forward(self, x: Tensor, meta: AttentionMetadata, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """x [N, H] input embeddings -> final-norm hidden states [N, H] (core dtype)."""
+        x = x.to(self.dtype)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            if residual is None:
+                h, residual = kernels.rms_norm(x, layer.input_norm, self.eps), x
+            else:
+                h, residual = kernels.rms_norm(x, layer.input_norm, self.eps, residual)
+            x = self._attention(h, layer, meta, k_cache, v_cache)
+            h, residual = kernels.rms_norm(x, layer.post_norm, self.eps, residual)
+            x = kernels.silu_and_mul(h @ layer.gate_up.T) @ layer.down.T
+        h, _ = kernels.rms_norm(x, self.norm, self.eps, residual)
+        return h
+
+    def _attention(self, h: Tensor, layer: _Layer, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor):
+        n = h.size(0)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = h @ layer.qkv.T  # [N, q + 2 kv]
+        q = qkv[:, :q_size].reshape(n, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = q.contiguous(), k.contiguous()
+        kernels.apply_rotary(q, k, meta.positions, self.cos_sin)
+        kernels.store_kv(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                                 self.scale)
+        else:
+            out = kernels.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                                  meta.context_lens, self.scale)
+        return out.reshape(n, q_size) @ layer.o.T

@@ -1,0 +1,316 @@
+"""The velocity engine against the reference decode (argmax sampling): identical tokens, hidden states within
+1e-4, across prompt lengths, per-request params, modes, preemption, chunked prefill and prefix caching; seeded
+batch invariance; aborts; bad requests. Every engine built here must end with its whole block pool free."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from chattts_velocity.engine import EngineConfig, FinishReason, LLMEngine, Mode, Prompt, SamplingParams
+from chattts_velocity.reference import DecodeSettings, reference_generate
+from chattts_velocity.text import decode_prompt, decorate_code_prompts, decorate_text_prompts, speaker_vector
+
+ARGMAX = 1e-4  # temperature that turns sampling into argmax
+HIDDEN_ATOL = 1e-4
+
+
+@pytest.fixture
+def make_engine(chat):
+    """Build engines over the tiny checkpoint; after the test every block must be back in the free pool."""
+    engines = []
+
+    def make(**kw) -> LLMEngine:
+        engine = LLMEngine.from_model(chat.model, EngineConfig(**kw), "cpu")
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        bm = engine.block_manager
+        assert not engine.has_unfinished_requests(), "requests left in the engine"
+        assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks leaked"
+        assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def code_prompt(chat, text: str, spk: str | None = None, smp: str | None = None) -> Prompt:
+    model = chat.model
+    codes = decode_prompt(smp, num_vq=4, num_codes=model.config.num_audio_tokens) if smp else None
+    (decorated,) = decorate_code_prompts([text], "[speed_5]", None, spk is not None)
+    ids, _, text_mask = model.tokenizer.encode([decorated], 4, prompt=codes)
+    vec = speaker_vector(spk, model.config.hidden_size) if spk else None
+    return Prompt(ids[0], text_mask[0], vec)
+
+
+def text_prompt(chat, text: str) -> Prompt:
+    (decorated,) = decorate_text_prompts([text], "")
+    ids, _, text_mask = chat.model.tokenizer.encode([decorated], 4)
+    return Prompt(ids[0], text_mask[0])
+
+
+def params(mode=Mode.CODE, **kw) -> SamplingParams:
+    base = dict(mode=mode, temperature=(ARGMAX,), top_p=0.7, top_k=20, repetition_penalty=1.05,
+                max_new_tokens=24, seed=0)
+    base.update(kw)
+    return SamplingParams(**base)
+
+
+def reference(chat, prompt: Prompt, p: SamplingParams):
+    """The reference loop on this one request: (ids, hidden states)."""
+    model = chat.model
+    text_mode = p.mode is Mode.TEXT
+    settings = DecodeSettings(
+        text_mode=text_mode, temperature=p.temperatures(4), top_p=p.top_p, top_k=p.top_k,
+        repetition_penalty=p.repetition_penalty, max_new_token=p.max_new_tokens, min_new_token=p.min_new_tokens,
+        eos_id=model.tokenizer.eos_token if text_mode else model.config.eos_code, penalty_row_cap=None,
+        manual_seed=0, show_tqdm=False,
+    )
+    mask = torch.ones(1, prompt.ids.size(0), dtype=torch.int64)
+    out = list(reference_generate(model.gpt, prompt.ids[None], mask, prompt.text_mask[None], settings,
+                                  spk_id=model.tokenizer.spk_emb_ids, spk_vec=prompt.speaker))[-1]
+    return out.ids[0], out.hiddens[0]
+
+
+def run(engine: LLMEngine, prompts, ps) -> dict:
+    for i, (prompt, p) in enumerate(zip(prompts, ps, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture
+def workload(chat, upstream_chat):
+    """Prompts of very different lengths, modes and params, with and without speaker / voice sample."""
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        spk = upstream_chat.sample_random_speaker()
+    smp_codes = torch.randint(0, 625, (4, 21), generator=torch.Generator().manual_seed(5))
+    from chattts_velocity.text import encode_prompt
+
+    smp = encode_prompt(smp_codes)
+    long_text = "the quick brown fox jumps over the lazy dog " * 3
+    prompts = [
+        code_prompt(chat, "hi"),
+        code_prompt(chat, long_text, spk=spk),
+        code_prompt(chat, "a voice sample follows", spk=spk, smp=smp),
+        text_prompt(chat, "refine this sentence please"),
+        code_prompt(chat, "medium length sentence here", spk=spk),
+        code_prompt(chat, "hi"),  # equal to the first: a full prefix-cache candidate
+    ]
+    ps = [
+        params(min_new_tokens=6, max_new_tokens=30),
+        params(top_p=0.9, top_k=5, repetition_penalty=1.3, min_new_tokens=2, max_new_tokens=17),
+        params(temperature=(ARGMAX, ARGMAX / 2, ARGMAX, ARGMAX), min_new_tokens=10, max_new_tokens=28),
+        params(Mode.TEXT, repetition_penalty=1.0, top_k=None, max_new_tokens=20, return_hidden_states=False),
+        params(top_p=None, repetition_penalty=None, min_new_tokens=3, max_new_tokens=33),
+        params(min_new_tokens=12, max_new_tokens=12),
+    ]
+    return prompts, ps
+
+
+def assert_matches_reference(chat, outs, prompts, ps):
+    for i, (out, prompt, p) in enumerate(zip(outs, prompts, ps, strict=True)):
+        ids, hidden = reference(chat, prompt, p)
+        assert torch.equal(out.token_ids, ids), f"request {i}: tokens differ from the reference"
+        if p.return_hidden_states:
+            assert out.hidden_states.shape == hidden.shape, f"request {i}: hidden states shape"
+            diff = (out.hidden_states - hidden).abs().max().item() if hidden.numel() else 0.0
+            assert diff <= HIDDEN_ATOL, f"request {i}: hidden states differ by {diff:.3g}"
+        else:
+            assert out.hidden_states is None
+
+
+ENGINE_SETUPS = {
+    "default": dict(),
+    "preemption": dict(num_kv_blocks=20, block_size=8),
+    "chunked-prefill": dict(max_num_batched_tokens=7),
+    "no-prefix-cache": dict(enable_prefix_caching=False, block_size=4),
+    "prefix-cache-small-blocks": dict(block_size=2),
+}
+
+
+@pytest.mark.parametrize("setup", list(ENGINE_SETUPS), ids=list(ENGINE_SETUPS))
+def test_engine_equals_reference_under_argmax(chat, make_engine, workload, setup):
+    engine = make_engine(**ENGINE_SETUPS[setup])
+    prompts, ps = workload
+    outs = run(engine, prompts, ps)
+    assert_matches_reference(chat, outs, prompts, ps)
+    assert all(o.finish_reason in (FinishReason.EOS, FinishReason.LENGTH) for o in outs)
+
+
+def test_preemption_happens_with_the_small_cache(chat, make_engine, workload):
+    engine = make_engine(**ENGINE_SETUPS["preemption"])
+    preempted = []
+    original = engine.scheduler._preempt
+
+    def spy(seq):
+        preempted.append(seq.request_id)
+        original(seq)
+
+    engine.scheduler._preempt = spy
+    run(engine, *workload)
+    assert preempted, "the small-cache setup must exercise preemption"
+
+
+def test_prefix_cache_shares_the_speaker_prefix(chat, make_engine, upstream_chat):
+    with torch.random.fork_rng():
+        torch.manual_seed(4)
+        spk = upstream_chat.sample_random_speaker()
+        other = upstream_chat.sample_random_speaker()
+    engine = make_engine(block_size=2)
+    first = code_prompt(chat, "one shared speaker prefix", spk=spk)
+    run(engine, [first], [params(max_new_tokens=3)])
+    more = "one shared speaker prefix, more"
+    same = engine.num_cached_prompt_tokens(code_prompt(chat, more, spk=spk))
+    assert same >= 8, "a prompt with the same speaker and text prefix must reuse cached blocks"
+    assert engine.num_cached_prompt_tokens(code_prompt(chat, more, spk=other)) == 0, "another speaker shares nothing"
+    assert engine.num_cached_prompt_tokens(code_prompt(chat, more)) == 0, "no speaker shares nothing"
+
+
+def sampled(seed: int, **kw) -> SamplingParams:
+    """Real sampling (upstream's default temperature) with a seed."""
+    return params(temperature=(0.3,), seed=seed, **kw)
+
+
+def test_seeded_output_is_batch_invariant(chat, make_engine, workload):
+    """One request alone, inside 8 others (before and after it), and under preemption: same tokens, same audio."""
+    prompts, _ = workload
+    target, p = code_prompt(chat, "the same request every time"), sampled(1234, min_new_tokens=20, max_new_tokens=40)
+    others = [prompts[i % len(prompts)] for i in range(8)]
+    other_ps = [sampled(100 + i, min_new_tokens=5, max_new_tokens=30 + 3 * i) for i in range(8)]
+    other_ps = [dataclass_replace(q, mode=Mode.TEXT, temperature=(0.7,), return_hidden_states=False)
+                if prompts[i % len(prompts)].ids.size(0) and i % len(prompts) == 3 else q
+                for i, q in enumerate(other_ps)]
+    alone = run(make_engine(), [target], [p])[0]
+    first = run(make_engine(), [target, *others], [p, *other_ps])[0]
+    last = run(make_engine(), [*others, target], [*other_ps, p])[-1]
+    small = make_engine(num_kv_blocks=24, block_size=8)
+    preempted = []
+    original = small.scheduler._preempt
+    small.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), original(seq))
+    crowded = run(small, [*others, target], [*other_ps, p])[-1]
+    assert preempted, "the small cache must preempt"
+    assert alone.num_generated >= 20
+    for name, out in (("first in a batch of 9", first), ("last in a batch of 9", last), ("preempted", crowded)):
+        assert torch.equal(out.token_ids, alone.token_ids), f"{name}: tokens differ from the request alone"
+    wavs = chat.audio.to_wav_list([alone.token_ids, first.token_ids, crowded.token_ids], use_decoder=False)
+    assert wavs[0].size > 0 and np.array_equal(wavs[0], wavs[1]) and np.array_equal(wavs[0], wavs[2])
+
+
+def dataclass_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+def test_different_seeds_give_different_audio_and_unseeded_uses_fresh_seeds(chat, make_engine):
+    target = code_prompt(chat, "seeds matter")
+    a, b = run(make_engine(), [target, target], [sampled(1, min_new_tokens=20), sampled(2, min_new_tokens=20)])
+    assert not torch.equal(a.token_ids, b.token_ids)
+    free = sampled(None, min_new_tokens=20)
+    c, d = run(make_engine(), [target, target], [free, free])
+    assert not torch.equal(c.token_ids, d.token_ids)
+
+
+def test_speaker_and_voice_sample_change_the_output(chat, make_engine, workload):
+    prompts, _ = workload
+    speaker, sample = prompts[1], prompts[2]
+    bare = Prompt(speaker.ids, speaker.text_mask, None)
+    p = params(min_new_tokens=10, max_new_tokens=10)
+    with_spk, without = run(make_engine(), [speaker, bare], [p, p])
+    assert not torch.equal(with_spk.hidden_states, without.hidden_states)
+    text_only = code_prompt(chat, "a voice sample follows", spk=None)
+    with_smp, no_smp = run(make_engine(), [sample, Prompt(text_only.ids, text_only.text_mask, sample.speaker)], [p, p])
+    assert not torch.equal(with_smp.hidden_states[:1], no_smp.hidden_states[:1])
+
+
+def test_step_reports_each_new_token_incrementally(chat, make_engine):
+    engine = make_engine()
+    engine.add_request("s", code_prompt(chat, "stream me"), params(min_new_tokens=6, max_new_tokens=6))
+    pieces, hidden, final = [], [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.append(out.new_token_ids)
+            hidden.append(out.new_hidden_states)
+            final = out
+    assert [len(x) for x in pieces] == [1] * 6
+    assert final.finished and final.finish_reason is FinishReason.LENGTH and final.num_generated == 6
+    assert torch.equal(torch.cat(pieces), final.token_ids)
+    assert torch.equal(torch.cat(hidden), final.hidden_states)
+
+
+def test_abort_mid_generation_frees_every_block(chat, make_engine):
+    engine = make_engine(block_size=4)
+    bm = engine.block_manager
+    for i in range(3):
+        engine.add_request(f"a{i}", code_prompt(chat, f"abort me {i}"), params(min_new_tokens=50, max_new_tokens=50))
+    for _ in range(5):
+        engine.step()
+    assert bm.num_free_blocks < bm.num_blocks
+    assert engine.abort_request("a1")
+    assert not engine.abort_request("a1"), "a second abort is a no-op"
+    assert not engine.abort_request("never-added")
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a1"].finished and outs["a1"].finish_reason is FinishReason.ABORT
+    assert outs["a1"].token_ids.shape[0] == 5
+    assert outs["a0"].num_generated == 6 and not outs["a0"].finished
+    engine.abort_request("a0")
+    engine.abort_request("a2")
+    engine.step()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_abort_of_a_waiting_request(chat, make_engine):
+    engine = make_engine(max_num_seqs=1)
+    engine.add_request("run", code_prompt(chat, "runs"), params(min_new_tokens=3, max_new_tokens=3))
+    engine.add_request("wait", code_prompt(chat, "waits"), params())
+    engine.step()
+    assert engine.abort_request("wait")
+    reasons = {}
+    while engine.has_unfinished_requests():
+        reasons.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
+    assert reasons == {"wait": FinishReason.ABORT, "run": FinishReason.LENGTH}
+
+
+def test_bad_requests_are_rejected_and_the_engine_keeps_serving(chat, make_engine):
+    engine = make_engine(num_kv_blocks=8, block_size=4)  # 32 tokens of KV
+    good = code_prompt(chat, "good")
+    engine.add_request("good", good, params(min_new_tokens=4, max_new_tokens=4))
+    ids, mask = good.ids, good.text_mask
+    bad = [
+        ("empty prompt", Prompt(ids[:0], mask[:0]), params(), "empty"),
+        ("too long for the cache", Prompt(ids.repeat(6, 1), mask.repeat(6)), params(), "KV cache"),
+        ("bad temperature", good, params(temperature=(0.0,)), "temperature"),
+        ("bad top_p", good, params(top_p=1.5), "top_p"),
+        ("min above max", good, params(min_new_tokens=9, max_new_tokens=3), "min_new_tokens"),
+        ("text temperatures", good, params(Mode.TEXT, temperature=(0.1, 0.1, 0.1, 0.1)), "temperature"),
+        ("audio id out of range", Prompt(torch.cat([ids, torch.full((1, 4), 626)]), torch.cat([mask, mask[:1] & False])),
+         params(), "audio ids"),
+        ("text id out of range", Prompt(ids + 10**6, mask), params(), "text ids"),
+        ("float ids", Prompt(ids.float(), mask), params(), "integer tensor"),
+        ("mask shape", Prompt(ids, mask[:-1]), params(), "text_mask"),
+        ("speaker shape", Prompt(ids, mask, torch.ones(3)), params(), "speaker"),
+        ("duplicate id", good, params(), "already in use"),
+    ]
+    for name, prompt, p, match in bad:
+        rid = "good" if name == "duplicate id" else name
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(rid, prompt, p)
+    assert list(engine.requests) == ["good"]
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].request_id == "good" and outs[-1].num_generated == 4
+
+
+def test_length_is_capped_by_the_model_context(chat, make_engine):
+    engine = make_engine()
+    prompt = code_prompt(chat, "near the end of the context")
+    room = chat.model.config.max_position_embeddings - prompt.ids.size(0)
+    (out,) = run(engine, [prompt], [params(min_new_tokens=room + 5, max_new_tokens=room + 5)])
+    assert out.finish_reason is FinishReason.LENGTH and out.num_generated == room

@@ -1,0 +1,154 @@
+"""Scheduler: FCFS admission, token budget and chunked prefill, sequence limit, preemption victims and order."""
+
+from __future__ import annotations
+
+from engine_helpers import make_seq
+
+from chattts_velocity.engine.block_manager import BlockSpaceManager
+from chattts_velocity.engine.scheduler import Scheduler
+from chattts_velocity.engine.sequence import FinishReason, SequenceStatus
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=8, max_tokens=64, watermark=0.0):
+    bm = BlockSpaceManager(num_blocks, block_size, watermark)
+    return Scheduler(bm, max_num_seqs, max_tokens), bm
+
+
+def run_step(sched: Scheduler, new_token: int = 7):
+    """Schedule, then do what the engine does after the model: mark computed, sample a token where due."""
+    out = sched.schedule()
+    for item in out.scheduled:
+        samples = item.samples
+        item.seq.num_computed_tokens += item.num_new_tokens
+        sched.block_manager.cache_full_blocks(item.seq)
+        if samples:
+            item.seq.append((new_token,) * 4, None)
+    return out
+
+
+def plan(out):
+    return [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_fcfs_prefill_then_decode_of_all():
+    sched, bm = make()
+    a, b = make_seq(5, request_id="a"), make_seq(3, first=50, request_id="b")
+    sched.add(a)
+    sched.add(b)
+    assert plan(run_step(sched)) == [("a", 5), ("b", 3)]
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    assert plan(run_step(sched)) == [("a", 1), ("b", 1)]
+    assert a.status is SequenceStatus.RUNNING and not sched.waiting
+
+
+def test_token_budget_chunks_long_prompts_and_mixes_them_with_decodes():
+    sched, _ = make(max_tokens=6)
+    a = make_seq(3, request_id="a")
+    long = make_seq(10, first=100, request_id="long")
+    sched.add(a)
+    assert plan(run_step(sched)) == [("a", 3)]
+    sched.add(long)
+    out = run_step(sched)
+    assert plan(out) == [("a", 1), ("long", 5)]
+    assert not out.scheduled[1].samples
+    assert long.num_generated == 0 and long.num_computed_tokens == 5
+    out = run_step(sched)
+    assert plan(out) == [("a", 1), ("long", 5)]
+    assert long.num_generated == 1  # the last chunk samples
+    assert plan(run_step(sched)) == [("a", 1), ("long", 1)]
+
+
+def test_max_num_seqs_keeps_the_rest_waiting_in_order():
+    sched, _ = make(max_num_seqs=2)
+    seqs = [make_seq(2, first=10 * i, request_id=f"s{i}") for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    assert plan(run_step(sched)) == [("s0", 2), ("s1", 2)]
+    assert [s.request_id for s in sched.waiting] == ["s2", "s3"]
+    sched.finish(seqs[0], FinishReason.EOS)
+    assert plan(run_step(sched)) == [("s1", 1), ("s2", 2)]
+
+
+def test_watermark_holds_back_admission_but_not_a_lone_request():
+    sched, bm = make(num_blocks=10, watermark=0.3)  # 3 blocks reserved
+    big = make_seq(30, request_id="big")  # 8 blocks
+    sched.add(big)
+    assert plan(run_step(sched)) == [("big", 30)]  # nothing running: the watermark does not apply
+    small = make_seq(2, first=99, request_id="small")
+    sched.add(small)
+    assert plan(run_step(sched)) == [("big", 1)]  # 2 free, 3 reserved
+    assert list(sched.waiting) == [small]
+
+
+def test_preemption_takes_the_latest_admitted_and_requeues_it_first():
+    sched, bm = make(num_blocks=4, block_size=4)
+    a, b = make_seq(4, request_id="a"), make_seq(4, first=50, request_id="b")
+    c = make_seq(3, first=90, request_id="c")
+    for s in (a, b, c):
+        sched.add(s)
+    assert plan(run_step(sched)) == [("a", 4), ("b", 4), ("c", 3)]
+    assert (a.block_table, b.block_table, c.block_table) == ([0], [1], [2])
+    # a and b now need a second block each; a takes the last free one, b preempts c (the latest admitted)
+    out = run_step(sched)
+    assert plan(out) == [("a", 1), ("b", 1)]
+    assert [s.request_id for s in out.preempted] == ["c"]
+    assert (a.block_table, b.block_table) == ([0, 3], [1, 2])
+    assert c.status is SequenceStatus.WAITING and c.block_table == [] and c.num_computed_tokens == 0
+    assert list(sched.waiting) == [c] and c.num_generated == 1  # its sampled token is kept
+    assert plan(run_step(sched)) == [("a", 1), ("b", 1)]  # no room for c
+    sched.finish(a, FinishReason.EOS)  # frees 3 then 0
+    assert plan(run_step(sched)) == [("b", 1), ("c", 4)]  # prompt + its generated token, recomputed
+    assert c.block_table == [3]
+
+
+def test_an_earlier_sequence_preempts_a_later_one_to_grow():
+    sched, bm = make(num_blocks=2, block_size=4)
+    a, b = make_seq(4, request_id="a"), make_seq(4, first=50, request_id="b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    out = run_step(sched)  # a needs a second block: it preempts b and takes b's block
+    assert plan(out) == [("a", 1)]
+    assert [s.request_id for s in out.preempted] == ["b"]
+    assert a.block_table == [0, 1]
+
+
+def test_preempted_sequence_recomputes_from_its_cached_prefix():
+    sched, bm = make(num_blocks=4, block_size=4)
+    a, b = make_seq(9, request_id="a"), make_seq(3, first=50, request_id="b")
+    sched.add(a)
+    sched.add(b)
+    assert plan(run_step(sched)) == [("a", 9), ("b", 3)]  # a: blocks 0-2, b: block 3
+    assert plan(run_step(sched)) == [("a", 1), ("b", 1)]  # b's block 3 is now full and cached
+    out = run_step(sched)  # b needs a second block: none free, b is the latest, it preempts itself
+    assert plan(out) == [("a", 1)] and out.preempted == [b]
+    sched.finish(a, FinishReason.EOS)
+    out = run_step(sched)
+    assert plan(out) == [("b", 1)]  # 4 of its 5 tokens come from the cached block
+    assert b.block_table == [3, 2]
+
+
+def test_running_sequence_grows_into_blocks_freed_by_a_finished_one():
+    sched, bm = make(num_blocks=5, block_size=4)
+    a, b = make_seq(8, request_id="a"), make_seq(7, first=50, request_id="b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    assert (a.block_table, b.block_table) == ([0, 1], [2, 3])
+    assert plan(run_step(sched)) == [("a", 1), ("b", 1)]  # a takes block 4, b fills block 3
+    sched.finish(a, FinishReason.EOS)  # frees 4, 1, 0
+    assert plan(run_step(sched)) == [("b", 1)]
+    assert b.block_table == [2, 3, 4]
+
+
+def test_abort_of_waiting_and_running_frees_everything():
+    sched, bm = make()
+    a, b = make_seq(5, request_id="a"), make_seq(5, first=40, request_id="b")
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    sched.finish(b, FinishReason.ABORT)
+    sched.finish(a, FinishReason.ABORT)
+    assert not sched.has_unfinished()
+    assert a.finish_reason is FinishReason.ABORT and a.is_finished
+    assert bm.num_free_blocks == bm.num_blocks
