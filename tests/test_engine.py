@@ -130,7 +130,7 @@ ENGINE_SETUPS = {
     "preemption": dict(num_kv_blocks=20, block_size=8),
     "chunked-prefill": dict(max_num_batched_tokens=7),
     "no-prefix-cache": dict(enable_prefix_caching=False, block_size=4),
-    "prefix-cache-small-blocks": dict(block_size=2),
+    "prefix-cache-small-blocks": dict(block_size=2, max_num_seqs=2),  # later requests find cached prefixes
 }
 
 
@@ -141,6 +141,10 @@ def test_engine_equals_reference_under_argmax(chat, make_engine, workload, setup
     outs = run(engine, prompts, ps)
     assert_matches_reference(chat, outs, prompts, ps)
     assert all(o.finish_reason in (FinishReason.EOS, FinishReason.LENGTH) for o in outs)
+    if setup == "prefix-cache-small-blocks":  # the speaker prompts share [Stts][spk_emb]; r0 and r5 everything
+        assert engine.block_manager.num_hit_blocks >= 3
+    if not engine.block_manager.enable_prefix_caching:
+        assert engine.block_manager.num_hit_blocks == 0
 
 
 def test_preemption_happens_with_the_small_cache(chat, make_engine, workload):
@@ -314,3 +318,19 @@ def test_length_is_capped_by_the_model_context(chat, make_engine):
     room = chat.model.config.max_position_embeddings - prompt.ids.size(0)
     (out,) = run(engine, [prompt], [params(min_new_tokens=room + 5, max_new_tokens=room + 5)])
     assert out.finish_reason is FinishReason.LENGTH and out.num_generated == room
+
+
+def test_llm_generate_returns_outputs_in_order_and_validates_first(chat, make_engine, workload):
+    from chattts_velocity.engine import LLM
+
+    prompts, ps = workload
+    engine = make_engine()
+    llm = LLM(engine)
+    outs = llm.generate(prompts, ps, use_tqdm=False)
+    assert [o.finished for o in outs] == [True] * len(prompts)
+    assert_matches_reference(chat, outs, prompts, ps)
+    with pytest.raises(ValueError, match="prompt 1: .*empty"):
+        llm.generate([prompts[0], Prompt(prompts[0].ids[:0], prompts[0].text_mask[:0])], ps[0], use_tqdm=False)
+    assert not engine.has_unfinished_requests(), "nothing is queued when one prompt is bad"
+    with pytest.raises(ValueError, match="2 prompts but 1"):
+        llm.generate(prompts[:2], [ps[0]], use_tqdm=False)

@@ -47,6 +47,8 @@ class BlockSpaceManager:
         """Blocks with no reference, least recently freed first (the first to be reused)."""
         self.cached: dict[bytes, int] = {}
         """Content key -> block holding that content (in use or still in the free pool)."""
+        self.num_hit_blocks = 0
+        """Blocks reused from the prefix cache so far (a metric)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,6 +113,7 @@ class BlockSpaceManager:
             seq.block_table = list(hits)
             seq.num_computed_tokens = len(hits) * self.block_size
             seq.num_cached_blocks = len(hits)
+            self.num_hit_blocks += len(hits)
         for _ in range(self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free())
 
