@@ -54,28 +54,27 @@ def _drive(engine: LLMEngine, ids: list[str], s: DecodeSettings, stream: bool,
     tokens: dict[str, list[torch.Tensor]] = {rid: [] for rid in ids}
     hiddens: dict[str, list[torch.Tensor]] = {rid: [] for rid in ids}
     pending = set(ids)
-    steps = 0
+    done = 0  # steps of the longest sequence so far (the engine may decode several per call)
     bar = tqdm(total=s.max_new_token, desc="text" if s.text_mode else "code", disable=not s.show_tqdm)
     try:
         while pending:
             if interrupted():
                 logger.warning("generation is interrupted")
                 break
-            advanced = False
+            longest = done
             for out in engine.step():
                 if out.request_id not in pending:
                     continue
                 tokens[out.request_id].append(out.new_token_ids)
                 if out.new_hidden_states is not None:
                     hiddens[out.request_id].append(out.new_hidden_states)
-                advanced |= out.new_token_ids.numel() > 0
+                longest = max(longest, out.num_generated)
                 if out.finished:
                     pending.discard(out.request_id)
-            if advanced:
-                steps += 1
-                bar.update(1)
-                if stream and steps % s.stream_batch == 0:
-                    yield _collect(ids, tokens, hiddens)
+            bar.update(longest - done)
+            if stream and longest // s.stream_batch > done // s.stream_batch:
+                yield _collect(ids, tokens, hiddens)
+            done = longest
     finally:
         bar.close()
         for rid in pending:  # interrupted, or the consumer stopped early

@@ -69,9 +69,9 @@ def test_velocity_stream_delivers_as_much_audio_as_the_offline_call(chat):
     streamed = np.concatenate(chunks, axis=1)[0]
     streamed = streamed[np.abs(streamed) > 1e-5]  # the offline call drops near-silent samples
     offline = chat.infer(["stream this text"], **kw)[0]
-    # Upstream's stream protocol re-decodes the growing sequence, so chunk edges differ from the offline wav;
-    # what must hold is that the stream delivers the same amount of audio.
-    assert streamed.size == offline.size
+    # Upstream's stream protocol re-decodes the growing sequence, so chunk edges differ from the offline wav,
+    # and near-silent samples (dropped by both) fall differently; the amount of audio must agree.
+    assert abs(streamed.size - offline.size) <= 16 and offline.size > 50 * 480
 
 
 def test_abandoned_stream_leaves_the_engine_clean(chat):

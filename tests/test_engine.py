@@ -233,8 +233,9 @@ def test_speaker_and_voice_sample_change_the_output(chat, make_engine, workload)
     assert not torch.equal(with_smp.hidden_states[:1], no_smp.hidden_states[:1])
 
 
-def test_step_reports_each_new_token_incrementally(chat, make_engine):
-    engine = make_engine()
+@pytest.mark.parametrize("window", [1, 4])
+def test_step_reports_each_new_token_incrementally(chat, make_engine, window):
+    engine = make_engine(num_decode_steps=window)
     engine.add_request("s", code_prompt(chat, "stream me"), params(min_new_tokens=6, max_new_tokens=6))
     pieces, hidden, final = [], [], None
     while engine.has_unfinished_requests():
@@ -242,14 +243,16 @@ def test_step_reports_each_new_token_incrementally(chat, make_engine):
             pieces.append(out.new_token_ids)
             hidden.append(out.new_hidden_states)
             final = out
-    assert [len(x) for x in pieces] == [1] * 6
+    # the prefill samples one token, then each step decodes a window (the last one stops at the length limit)
+    assert [len(x) for x in pieces] == ([1] * 6 if window == 1 else [1, 4, 1])
     assert final.finished and final.finish_reason is FinishReason.LENGTH and final.num_generated == 6
     assert torch.equal(torch.cat(pieces), final.token_ids)
     assert torch.equal(torch.cat(hidden), final.hidden_states)
 
 
-def test_abort_mid_generation_frees_every_block(chat, make_engine):
-    engine = make_engine(block_size=4)
+@pytest.mark.parametrize("window", [1, 8])
+def test_abort_mid_generation_frees_every_block(chat, make_engine, window):
+    engine = make_engine(block_size=4, num_decode_steps=window)
     bm = engine.block_manager
     for i in range(3):
         engine.add_request(f"a{i}", code_prompt(chat, f"abort me {i}"), params(min_new_tokens=50, max_new_tokens=50))
@@ -261,8 +264,8 @@ def test_abort_mid_generation_frees_every_block(chat, make_engine):
     assert not engine.abort_request("never-added")
     outs = {o.request_id: o for o in engine.step()}
     assert outs["a1"].finished and outs["a1"].finish_reason is FinishReason.ABORT
-    assert outs["a1"].token_ids.shape[0] == 5
-    assert outs["a0"].num_generated == 6 and not outs["a0"].finished
+    assert outs["a1"].token_ids.shape[0] == 1 + 4 * window  # a prefill step, then 4 windows
+    assert outs["a0"].num_generated == 1 + 5 * window and not outs["a0"].finished
     engine.abort_request("a0")
     engine.abort_request("a2")
     engine.step()

@@ -30,11 +30,17 @@ class EngineConfig:
     """Fraction of blocks kept free when admitting requests, so running ones can grow without preemption."""
     dtype: str = "float32"
     """Dtype of the Llama core and its KV cache: float32, float16 or bfloat16 (logits are always float32)."""
+    num_decode_steps: int = 8
+    """Decode steps per scheduler call when the batch is all audio decodes (the device updates the inputs
+    between them); 1 schedules every step. A finished sequence may compute up to this many unused steps."""
+    enforce_eager: bool = False
+    """Never use CUDA graphs (they are used on CUDA for the multi-step decode otherwise)."""
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("num_decode_steps", self.num_decode_steps)
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_gib is not None and not (isinstance(self.kv_cache_gib, (int, float)) and self.kv_cache_gib > 0):

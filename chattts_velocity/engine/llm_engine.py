@@ -30,7 +30,8 @@ class LLMEngine:
         self.worker = Worker(gpt, config, spk_emb_id, text_eos_id, torch.device(device))
         self.block_manager = BlockSpaceManager(self.worker.num_blocks, config.block_size, config.watermark,
                                                config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.num_decode_steps)
         self.requests: dict[str, SequenceGroup] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -125,26 +126,45 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return outputs
-        result = self.worker.execute(plan.scheduled)
-        for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq)
-        for i, (seq, token) in enumerate(zip(result.seqs, result.tokens, strict=True)):
-            self._postprocess(seq, token, result.hidden[i])
-            group = self.requests[seq.request_id]
-            outputs.append(self._output(group))
+        if plan.num_steps > 1:
+            sampled = [item.seq for item in plan.scheduled]
+            tokens, hidden = self.worker.decode_window(sampled, plan.num_steps)
+            for i, seq in enumerate(sampled):
+                self._accept(seq, tokens[i], hidden[:, i])
+        else:
+            result = self.worker.execute(plan.scheduled)
+            for item in plan.scheduled:  # the last token of a sampling sequence is counted by _accept
+                item.seq.num_computed_tokens += item.num_new_tokens - item.samples
+                self.block_manager.cache_full_blocks(item.seq)
+            sampled = result.seqs
+            for i, seq in enumerate(sampled):
+                self._accept(seq, [result.tokens[i]], result.hidden[i : i + 1])
+        for seq in sampled:
+            outputs.append(self._output(self.requests[seq.request_id]))
             if seq.is_finished:
                 del self.requests[seq.request_id]
         return outputs
 
-    def _postprocess(self, seq: Sequence, token: tuple[int, ...], hidden: torch.Tensor) -> None:
+    def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:
+        """Append sampled tokens until EOS or the length limit; every accepted step computed one more token."""
         eos = self.text_eos_id if seq.text_mode else self.model_config.eos_code
-        if eos in token:  # any codebook; a text token repeats its id over the codebooks
-            self.scheduler.finish(seq, FinishReason.EOS)
-            return
-        seq.append(token, hidden if seq.params.return_hidden_states else None)
-        if len(seq) >= seq.max_tokens:
-            self.scheduler.finish(seq, FinishReason.LENGTH)
+        reason, taken = None, 0
+        for token in tokens:
+            seq.num_computed_tokens += 1
+            if eos in token:  # any codebook; a text token repeats its id over the codebooks
+                reason = FinishReason.EOS
+                break
+            seq.tokens.append(token)
+            seq.is_text.append(seq.text_mode)
+            taken += 1
+            if len(seq) >= seq.max_tokens:
+                reason = FinishReason.LENGTH
+                break
+        if taken and seq.params.return_hidden_states:
+            seq.hidden_chunks.append(hidden[:taken])
+        self.block_manager.cache_full_blocks(seq)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         seq, start = group.seq, group.num_reported

@@ -52,33 +52,72 @@ def counter_uniform(seed: Tensor, step: Tensor, lane: Tensor, vocab: int) -> Ten
 
 @dataclass
 class RowParams:
-    """Per-row sampling parameters as tensors on the device. R rows."""
+    """Per-row sampling parameters as tensors. R rows."""
 
     temperature: Tensor  # [R, 1] float32
     top_p: Tensor  # [R, 1] float32 (1 = off)
-    top_k: Tensor  # [R] int64 (vocab = off)
+    top_k: Tensor  # [R] int64 (huge = off)
     penalty: Tensor  # [R, 1] float32 (1 = off)
-    history: Tensor  # [R, W] int64 recent generated ids, -1 = empty
-    ban_eos: Tensor  # [R] bool
+    history: Tensor  # [R, W] int64 recent generated ids, newest last, -1 = none
+    window: Tensor  # [R] int64: how many of the newest history entries the penalty counts
+    min_new: Tensor  # [R] int64: EOS is banned while step < min_new
     seed: Tensor  # [R] int64
-    step: Tensor  # [R] int64
-    lane: Tensor  # [R] int64
+    step: Tensor  # [R] int64: tokens generated so far
+    lane: Tensor  # [R] int64: codebook
+
+    def to(self, device: torch.device) -> RowParams:
+        return RowParams(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
+
+    def rows(self, n: int) -> RowParams:
+        """The first ``n`` rows (views)."""
+        return RowParams(**{k: v[:n] for k, v in vars(self).items()})
+
+
+def row_params(seqs: list[Sequence], lanes: int, num_vq: int, width: int) -> RowParams:
+    """Host tensors of the rows of ``seqs`` (``lanes`` rows each: num_vq in code mode, 1 in text mode)."""
+    temps, top_p, top_k, pen, hist, window, min_new, seed, step, lane = ([] for _ in range(10))
+    for s in seqs:
+        p = s.params
+        recent = s.tokens[max(s.prompt_len, len(s) - p.penalty_window) :]
+        temps += p.temperatures(num_vq)
+        for q in range(lanes):
+            top_p.append(1.0 if p.top_p is None else p.top_p)
+            top_k.append(1 << 30 if p.top_k is None else p.top_k)
+            pen.append(1.0 if p.repetition_penalty is None else p.repetition_penalty)
+            hist.append([-1] * (width - len(recent)) + [t[q] for t in recent])
+            window.append(p.penalty_window)
+            min_new.append(p.min_new_tokens)
+            seed.append(s.seed)
+            step.append(s.num_generated)
+            lane.append(q)
+
+    def f32(v):
+        return torch.tensor(v, dtype=torch.float32)[:, None]
+
+    def i64(v):
+        return torch.tensor(v, dtype=torch.int64)
+
+    return RowParams(temperature=f32(temps), top_p=f32(top_p), top_k=i64(top_k), penalty=f32(pen),
+                     history=i64(hist).reshape(len(hist), width), window=i64(window), min_new=i64(min_new),
+                     seed=i64(seed), step=i64(step), lane=i64(lane))
 
 
 def process_rows(logits: Tensor, p: RowParams, eos_id: int) -> Tensor:
     """The ChatTTS chain on [R, V] float32 logits with per-row parameters; returns filtered logits."""
     logits = logits / p.temperature
-    logits = _penalise(logits, p.history, p.penalty)
+    logits = _penalise(logits, p.history, p.window, p.penalty)
     logits = _top_p(logits, p.top_p)
     logits = _top_k(logits, p.top_k)
     eos = logits[:, eos_id]
-    logits[:, eos_id] = torch.where(p.ban_eos, torch.full_like(eos, -float("inf")), eos)
+    logits[:, eos_id] = torch.where(p.step < p.min_new, torch.full_like(eos, -float("inf")), eos)
     return logits
 
 
-def _penalise(logits: Tensor, history: Tensor, penalty: Tensor) -> Tensor:
-    vocab = logits.size(1)
-    slots = torch.where(history < 0, vocab, history)  # empty slots count into a dropped extra column
+def _penalise(logits: Tensor, history: Tensor, window: Tensor, penalty: Tensor) -> Tensor:
+    vocab, width = logits.size(1), history.size(1)
+    cols = torch.arange(width, device=history.device)
+    outside = (history < 0) | (cols[None, :] < width - window[:, None])
+    slots = torch.where(outside, vocab, history)  # empty or too old: counted into a dropped extra column
     freq = torch.zeros(logits.size(0), vocab + 1, device=logits.device, dtype=torch.float32)
     freq.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.float32))
     alpha = torch.pow(penalty, freq[:, :vocab])
@@ -140,29 +179,5 @@ class Sampler:
         return [tuple(row) for row in ids.view(len(seqs), self.num_vq).tolist()]
 
     def _params(self, seqs: list[Sequence], lanes: int, device: torch.device) -> RowParams:
-        temps, top_p, top_k, pen, hist, ban, seed, step, lane = ([] for _ in range(9))
-        vocab_big = 1 << 30
         width = max(s.params.penalty_window for s in seqs)
-        for s in seqs:
-            p = s.params
-            recent = s.tokens[max(s.prompt_len, len(s) - p.penalty_window) :]
-            temps += p.temperatures(self.num_vq)
-            for q in range(lanes):
-                top_p.append(1.0 if p.top_p is None else p.top_p)
-                top_k.append(vocab_big if p.top_k is None else p.top_k)
-                pen.append(1.0 if p.repetition_penalty is None else p.repetition_penalty)
-                hist.append([t[q] for t in recent] + [-1] * (width - len(recent)))
-                ban.append(s.num_generated < p.min_new_tokens)
-                seed.append(s.seed)
-                step.append(s.num_generated)
-                lane.append(q)
-
-        def f32(v):
-            return torch.tensor(v, dtype=torch.float32, device=device)[:, None]
-
-        def i64(v):
-            return torch.tensor(v, dtype=torch.int64, device=device)
-
-        return RowParams(temperature=f32(temps), top_p=f32(top_p), top_k=i64(top_k), penalty=f32(pen),
-                         history=i64(hist), ban_eos=torch.tensor(ban, device=device), seed=i64(seed),
-                         step=i64(step), lane=i64(lane))
+        return row_params(seqs, lanes, self.num_vq, width).to(device)

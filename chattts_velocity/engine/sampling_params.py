@@ -8,6 +8,9 @@ from enum import Enum
 from ..params import _is_int, _is_num
 from ..sampling.processors import PENALTY_WINDOW
 
+MAX_PENALTY_WINDOW = 64
+"""Widest repetition-penalty window (the multi-step decoder keeps this many recent ids per row on the device)."""
+
 
 class Mode(str, Enum):
     CODE = "code"
@@ -61,8 +64,8 @@ class SamplingParams:
         if self.repetition_penalty is not None:
             _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
                    self.repetition_penalty, "a number > 0 or None")
-        _check(_is_int(self.penalty_window) and self.penalty_window >= 1, "penalty_window", self.penalty_window,
-               "an int >= 1")
+        _check(_is_int(self.penalty_window) and 1 <= self.penalty_window <= MAX_PENALTY_WINDOW, "penalty_window",
+               self.penalty_window, f"an int in [1, {MAX_PENALTY_WINDOW}]")
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens,
                "an int >= 1")
         _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",

@@ -32,6 +32,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_steps: int = 1
+    """Decode steps to run: > 1 only when every sequence decodes an audio token and has blocks for them."""
 
     @property
     def num_tokens(self) -> int:
@@ -39,10 +41,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_decode_steps: int = 1):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_decode_steps = num_decode_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -57,7 +61,22 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if self.num_decode_steps > 1 and out.scheduled and all(map(_is_audio_decode, out.scheduled)):
+            self._reserve_window(out)
         return out
+
+    def _reserve_window(self, out: SchedulerOutput) -> None:
+        """Give every sequence blocks for ``num_decode_steps`` tokens (fewer near its length limit), or keep
+        the single step if any lacks them: a longer window never preempts anybody."""
+        bm, k = self.block_manager, self.num_decode_steps
+        wanted = [min(k, s.seq.max_tokens - len(s.seq)) for s in out.scheduled]
+        total = sum(max(bm.blocks_for(s.seq.num_computed_tokens + n) - len(s.seq.block_table), 0)
+                    for s, n in zip(out.scheduled, wanted, strict=True))
+        if total > bm.num_free_blocks:
+            return
+        for s, n in zip(out.scheduled, wanted, strict=True):
+            bm.allocate(s.seq, n)
+        out.num_steps = k
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -105,3 +124,9 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.finish(reason)
+
+
+def _is_audio_decode(item: ScheduledSeq) -> bool:
+    """One uncomputed token that the sequence generated itself, in code mode: what the multi-step decoder runs."""
+    seq = item.seq
+    return item.num_new_tokens == 1 and item.samples and seq.num_generated > 0 and not seq.text_mode

@@ -70,8 +70,8 @@ class Sequence:
         """Leading blocks of ``block_table`` already offered to the prefix cache."""
         self.block_hashes: list[bytes] = []
         """Content hashes of the full blocks of ``tokens`` computed so far (a chain; see BlockSpaceManager)."""
-        self.hidden_states: list[torch.Tensor] = []
-        """Final-norm hidden state [H] that produced each generated token."""
+        self.hidden_chunks: list[torch.Tensor] = []
+        """Final-norm hidden states [n, H] that produced the generated tokens, in order, one chunk per step."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -92,11 +92,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append(self, token: Token, hidden: torch.Tensor | None) -> None:
+    def append(self, token: Token, hidden: torch.Tensor | None = None) -> None:
+        """Add a generated token (and the [n=1, H] hidden state behind it)."""
         self.tokens.append(token)
         self.is_text.append(self.text_mode)
         if hidden is not None:
-            self.hidden_states.append(hidden)
+            self.hidden_chunks.append(hidden)
 
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
@@ -112,8 +113,15 @@ class Sequence:
         """Hidden states [n, H] of the generated tokens from ``start`` (None when not requested)."""
         if not self.params.return_hidden_states:
             return None
-        rows = self.hidden_states[start:]
-        return torch.stack(rows).float() if rows else torch.empty(0, hidden_size)
+        need, parts = self.num_generated - start, []
+        for chunk in reversed(self.hidden_chunks):  # the newest chunks hold what was not reported yet
+            if need <= 0:
+                break
+            parts.append(chunk[-need:])
+            need -= len(chunk)
+        if not parts:
+            return torch.empty(0, hidden_size)
+        return parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
 
 
 class SequenceGroup:

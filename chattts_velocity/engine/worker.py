@@ -9,9 +9,11 @@ import torch
 
 from ..model.llama import LlamaCore
 from .config import EngineConfig
+from .decode import MultiStepDecoder
 from .model_runner import ModelRunner, StepResult
 from .sampler import Sampler
 from .scheduler import ScheduledSeq
+from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,12 @@ class Worker:
                     self.num_blocks * self._block_bytes(config, gcfg) / 2**30, config.dtype)
         sampler = Sampler(gpt.embed, gcfg.num_vq, gcfg.eos_code, text_eos_id)
         self.runner = ModelRunner(gpt, self.core, self.kv_caches, config.block_size, spk_emb_id, sampler, device)
+        self.decoder = None
+        if config.num_decode_steps > 1:
+            use_graphs = device.type == "cuda" and not config.enforce_eager
+            self.decoder = MultiStepDecoder(gpt, self.core, self.kv_caches, config.block_size, config.max_num_seqs,
+                                            config.num_decode_steps, gcfg.max_position_embeddings, device,
+                                            use_graphs)
 
     def _block_bytes(self, config: EngineConfig, gcfg) -> int:
         per_token = 2 * gcfg.num_hidden_layers * gcfg.num_key_value_heads * (gcfg.hidden_size // gcfg.num_attention_heads)
@@ -62,3 +70,7 @@ class Worker:
 
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
         return self.runner.execute(scheduled)
+
+    def decode_window(self, seqs: list[Sequence], num_steps: int):
+        """``num_steps`` decode steps of audio sequences: tokens[i][j] and hidden states [num_steps, n, H]."""
+        return self.decoder.run(seqs, num_steps)

@@ -1,0 +1,162 @@
+"""``MultiStepDecoder``: several decode steps of a code-mode batch per scheduler call, with no host work
+between them: the next step's inputs (tokens, positions, cache slots, penalty window, step counters) are
+updated on the device, every step's tokens and hidden states land in device buffers, and the host reads the
+tokens once at the end. On CUDA each batch-size bucket's step is captured as a CUDA graph and replayed.
+
+A sequence that ends inside the window (EOS, its length limit) keeps computing until the window ends; the host
+drops those tokens, and the steps past its limit write no KV (their slot is -1).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..model.llama import AttentionMetadata, LlamaCore
+from .sampler import RowParams, row_params, sample_rows
+from .sampling_params import MAX_PENALTY_WINDOW
+from .sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
+
+
+@dataclass
+class _State:
+    """Static device buffers of the step (graph inputs and outputs), sized for the largest bucket."""
+
+    tokens: Tensor  # [B, Q] int64: each row's newest token (this step's input)
+    positions: Tensor  # [B] int64: its position
+    limit: Tensor  # [B] int64: positions >= limit write no KV
+    block_tables: Tensor  # [B, max_blocks] int32
+    params: RowParams  # [B*Q] rows
+    step_out: Tensor  # [] int64: which output row this step writes
+    out_tokens: Tensor  # [K, B, Q] int64
+    out_hidden: Tensor  # [K, B, H] float32
+
+
+class MultiStepDecoder:
+    def __init__(self, gpt, core: LlamaCore, kv_caches, block_size: int, max_batch: int, max_steps: int,
+                 max_model_len: int, device: torch.device, use_cuda_graph: bool):
+        self.gpt, self.core, self.kv_caches = gpt, core, kv_caches
+        self.block_size = block_size
+        self.num_vq = gpt.config.num_vq
+        self.eos = gpt.config.eos_code
+        self.max_model_len = max_model_len
+        self.max_steps = max_steps
+        self.device = device
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.state = self._allocate(max_batch, gpt.config.hidden_size)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if use_cuda_graph:
+            self._capture_all()
+
+    # ---------------------------------------------------------------- buffers
+    def _allocate(self, batch: int, hidden: int) -> _State:
+        dev, rows, q = self.device, batch * self.num_vq, self.num_vq
+        width = -(-self.max_model_len // self.block_size)
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=dev)
+
+        params = RowParams(
+            temperature=torch.ones(rows, 1, device=dev), top_p=torch.ones(rows, 1, device=dev), top_k=zeros(rows),
+            penalty=torch.ones(rows, 1, device=dev), history=zeros(rows, MAX_PENALTY_WINDOW) - 1,
+            window=zeros(rows), min_new=zeros(rows), seed=zeros(rows), step=zeros(rows), lane=zeros(rows),
+        )
+        return _State(tokens=zeros(batch, q), positions=zeros(batch), limit=zeros(batch),
+                      block_tables=zeros(batch, width, dtype=torch.int32), params=params,
+                      step_out=torch.zeros((), dtype=torch.int64, device=dev), out_tokens=zeros(self.max_steps, batch, q),
+                      out_hidden=torch.zeros(self.max_steps, batch, hidden, device=dev))
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    # ---------------------------------------------------------------- one step (captured or eager)
+    def _step(self, b: int) -> None:
+        s, rows, bs = self.state, b * self.num_vq, self.block_size
+        p = s.params
+        pos = s.positions[:b]
+        emb = self.gpt.embed.embed_step(s.tokens[:b, None], text_mode=False)[:, 0]  # [b, H]
+        blocks = s.block_tables[:b].gather(1, (pos // bs).clamp(max=s.block_tables.size(1) - 1)[:, None])[:, 0]
+        slots = torch.where(pos < s.limit[:b], blocks.to(torch.int64) * bs + pos % bs, -1)
+        rope_pos = pos.clamp(max=self.max_model_len - 1)  # steps past a row's end must stay in the rotary table
+        meta = AttentionMetadata(positions=rope_pos, slot_mapping=slots, cu_seqlens_q=s.positions[:0],
+                                 context_lens=(rope_pos + 1).to(torch.int32), block_tables=s.block_tables[:b],
+                                 decode_only=True)
+        hidden = self.core.forward(emb, meta, self.kv_caches).float()  # [b, H]
+        logits = self.gpt.embed.code_logits(hidden)  # [b, V, Q]
+        logits = logits.permute(0, 2, 1).reshape(rows, -1)  # [b*Q, V]
+        tok = sample_rows(logits, p.rows(rows), self.eos)  # [b*Q]
+        s.out_tokens[:, :b].index_copy_(0, s.step_out[None], tok.view(1, b, self.num_vq))
+        s.out_hidden[:, :b].index_copy_(0, s.step_out[None], hidden[None])
+        s.tokens[:b].copy_(tok.view(b, self.num_vq))
+        p.history[:rows].copy_(torch.cat([p.history[:rows, 1:], tok[:, None]], 1))
+        p.step[:rows] += 1
+        s.positions[:b] += 1
+        s.step_out += 1
+
+    def _capture_all(self) -> None:
+        pool = None
+        for b in reversed(self.buckets):
+            self._step(b)  # warm up: Triton compiles, cuBLAS picks its kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._step(b)
+            pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (batch buckets up to %d)", len(self.graphs), self.buckets[-1])
+
+    # ---------------------------------------------------------------- a window of steps
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], num_steps: int) -> tuple[list[list[tuple[int, ...]]], Tensor]:
+        """Decode ``num_steps`` tokens of every sequence (each's newest token is its only uncomputed one).
+        Returns tokens[i][j] (sequence i, step j) and hidden states [num_steps, len(seqs), H] on the device."""
+        assert 1 <= num_steps <= self.max_steps and len(seqs) <= self.buckets[-1]
+        b = self._bucket(len(seqs))
+        self._load(seqs, b)
+        graph = self.graphs.get(b)
+        for _ in range(num_steps):
+            graph.replay() if graph is not None else self._step(b)
+        n = len(seqs)
+        hidden = self.state.out_hidden[:num_steps, :n].clone()  # the buffer is reused by the next window
+        tokens = self.state.out_tokens[:num_steps, :n].permute(1, 0, 2).tolist()  # the one sync of the window
+        return [[tuple(t) for t in row] for row in tokens], hidden
+
+    def _load(self, seqs: list[Sequence], b: int) -> None:
+        """Copy the batch's state into the static buffers; padding rows write nothing and are ignored."""
+        s, q = self.state, self.num_vq
+        tokens, positions, limits, tables, rows = [], [], [], [], []
+        for seq in seqs:
+            tokens.append(seq.tokens[-1])
+            positions.append(len(seq) - 1)
+            limits.append(seq.max_tokens - 1)
+            tables.append(seq.block_table)
+            rows.append(seq)
+        pad = b - len(seqs)
+        tokens += [(0,) * q] * pad
+        positions += [0] * pad
+        limits += [0] * pad
+        s.tokens[:b].copy_(torch.tensor(tokens), non_blocking=True)
+        s.positions[:b].copy_(torch.tensor(positions), non_blocking=True)
+        s.limit[:b].copy_(torch.tensor(limits), non_blocking=True)
+        table = torch.zeros(b, s.block_tables.size(1), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        s.block_tables[:b].copy_(table, non_blocking=True)
+        self._load_params(seqs, b)
+        s.step_out.zero_()
+
+    def _load_params(self, seqs: list[Sequence], b: int) -> None:
+        p, rows = self.state.params, b * self.num_vq
+        host = row_params(seqs, self.num_vq, self.num_vq, MAX_PENALTY_WINDOW)
+        for name, value in vars(host).items():
+            dst = getattr(p, name)[:rows]
+            dst[: value.size(0)].copy_(value, non_blocking=True)
+            # padding rows: neutral parameters, an empty history
+            dst[value.size(0) :].fill_(-1 if name == "history" else 1 if value.is_floating_point() else 0)
