@@ -103,7 +103,9 @@ class MultiStepDecoder:
     def _capture_all(self) -> None:
         pool = None
         for b in reversed(self.buckets):
+            self.state.step_out.zero_()
             self._step(b)  # warm up: Triton compiles, cuBLAS picks its kernels
+            self.state.step_out.zero_()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._step(b)

@@ -36,10 +36,16 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+    def forward(self, scheduled: list[ScheduledSeq]) -> tuple[Tensor, Tensor]:
+        """Run the scheduled tokens through the core (writing their K/V): hidden states [N, H] (core dtype) and
+        the rows [S] of each sampling sequence's last token."""
         ids, is_text, meta, last_rows = self._prepare(scheduled)
         emb = self._embed(ids, is_text, scheduled)  # [N, H]
-        hidden = self.core.forward(emb, meta, self.kv_caches)  # [N, H]
+        return self.core.forward(emb, meta, self.kv_caches), last_rows
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        hidden, last_rows = self.forward(scheduled)
         sampling = [s.seq for s in scheduled if s.samples]
         hidden = hidden[last_rows].float()  # [S, H]
         tokens = self.sampler(hidden, sampling) if sampling else []

@@ -15,40 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..kernels.sample import exponential_race
 from ..sampling.processors import MIN_TOKENS_TO_KEEP
 from .sequence import Sequence, Token
-
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """(x * c) mod 2**32 for uint32 values held in int64, without overflowing int64."""
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer finaliser (the "lowbias32" constants): every input bit flips about half the output bits."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def counter_uniform(seed: Tensor, step: Tensor, lane: Tensor, vocab: int) -> Tensor:
-    """Uniform (0, 1) numbers [R, vocab] float32, a pure function of (seed, step, lane, column) per row.
-
-    seed [R] int64 in [0, 2**63); step [R] int64 (tokens generated so far); lane [R] int64 (codebook)."""
-    h = _mix32((seed >> 32) & _M32)
-    h = _mix32(h ^ (seed & _M32))
-    h = _mix32(h ^ (step & _M32))
-    h = _mix32(h ^ (lane & _M32))  # [R]
-    cols = _mix32(torch.arange(vocab, device=seed.device, dtype=torch.int64) + 0x9E3779B9)  # [V]
-    bits = _mix32(h[:, None] ^ cols[None, :])  # [R, V]
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
 
 @dataclass
 class RowParams:
@@ -106,8 +75,7 @@ def process_rows(logits: Tensor, p: RowParams, eos_id: int) -> Tensor:
     """The ChatTTS chain on [R, V] float32 logits with per-row parameters; returns filtered logits."""
     logits = logits / p.temperature
     logits = _penalise(logits, p.history, p.window, p.penalty)
-    logits = _top_p(logits, p.top_p)
-    logits = _top_k(logits, p.top_k)
+    logits = _top_p_top_k(logits, p.top_p, p.top_k)
     eos = logits[:, eos_id]
     logits[:, eos_id] = torch.where(p.step < p.min_new, torch.full_like(eos, -float("inf")), eos)
     return logits
@@ -124,26 +92,24 @@ def _penalise(logits: Tensor, history: Tensor, window: Tensor, penalty: Tensor) 
     return torch.where(logits < 0, logits * alpha, logits / alpha)
 
 
-def _top_p(logits: Tensor, top_p: Tensor) -> Tensor:
+def _top_p_top_k(logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+    """Top-p then top-k (each keeps at least 3) from one ascending sort. Top-p keeps a suffix of the sorted
+    row, so the k-th largest kept logit is the k-th largest overall whenever top-k still removes anything."""
+    vocab = logits.size(1)
     sorted_logits, order = torch.sort(logits, descending=False)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop_sorted = cum <= (1 - top_p)
     drop_sorted[:, -MIN_TOKENS_TO_KEEP:] = False
     drop = drop_sorted.scatter(1, order, drop_sorted)
-    return logits.masked_fill(drop, -float("inf"))
-
-
-def _top_k(logits: Tensor, top_k: Tensor) -> Tensor:
-    k = top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=logits.size(1))
-    kth = torch.sort(logits, descending=True)[0].gather(1, (k - 1)[:, None])  # [R, 1]
-    return logits.masked_fill(logits < kth, -float("inf"))
+    k = top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=vocab)
+    kth = sorted_logits.gather(1, (vocab - k)[:, None])  # [R, 1]
+    return logits.masked_fill(drop | (logits < kth), -float("inf"))
 
 
 def sample_rows(logits: Tensor, p: RowParams, eos_id: int) -> Tensor:
     """[R, V] logits -> [R] sampled ids."""
     probs = torch.softmax(process_rows(logits, p, eos_id), dim=-1)
-    race = -torch.log(counter_uniform(p.seed, p.step, p.lane, logits.size(1)))  # Exp(1) per (row, id)
-    return torch.argmax(probs / race, dim=-1)
+    return exponential_race(probs, p.seed, p.step, p.lane)
 
 
 class Sampler:

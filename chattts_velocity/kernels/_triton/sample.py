@@ -1,0 +1,52 @@
+"""Triton exponential race: one program per row hashes its uniforms and keeps the best ``p / E``."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..sample import COL_SALT, MIX1, MIX2
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * MIX1
+    x = x ^ (x >> 15)
+    x = x * MIX2
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _race_kernel(probs_ptr, seed_ptr, step_ptr, lane_ptr, out_ptr, stride, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    seed = tl.load(seed_ptr + row)
+    h = _mix32((seed >> 32).to(tl.uint32))
+    h = _mix32(h ^ seed.to(tl.uint32))
+    h = _mix32(h ^ tl.load(step_ptr + row).to(tl.uint32))
+    h = _mix32(h ^ tl.load(lane_ptr + row).to(tl.uint32))
+    best = tl.full([BLOCK], -1.0, tl.float32)
+    best_id = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, VOCAB, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        valid = cols < VOCAB
+        p = tl.load(probs_ptr + row.to(tl.int64) * stride + cols, mask=valid, other=0.0)
+        bits = _mix32(h ^ _mix32(cols.to(tl.uint32) + COL_SALT))
+        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        score = tl.where(valid, p / -tl.log(u), -1.0)
+        better = score > best  # strict: the earliest id wins ties, as torch.argmax
+        best = tl.where(better, score, best)
+        best_id = tl.where(better, cols, best_id)
+    top = tl.max(best, axis=0)
+    winner = tl.min(tl.where(best == top, best_id, 2147483647), axis=0)
+    tl.store(out_ptr + row, winner.to(tl.int64))
+
+
+def exponential_race_triton(probs: Tensor, seed: Tensor, step: Tensor, lane: Tensor) -> Tensor:
+    rows, vocab = probs.shape
+    out = torch.empty(rows, dtype=torch.int64, device=probs.device)
+    block = min(triton.next_power_of_2(vocab), 1024 if probs.is_cuda else 128)
+    _race_kernel[(rows,)](probs, seed, step, lane, out, probs.stride(0), VOCAB=vocab, BLOCK=block, num_warps=4)
+    return out
