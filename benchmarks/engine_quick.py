@@ -38,7 +38,7 @@ def main() -> None:
                 t = time.perf_counter()
                 steps = 0
                 while engine.has_unfinished_requests():
-                    outs = engine.step()
+                    engine.step()
                     steps += 1
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t

@@ -1,4 +1,5 @@
-"""``chattts-velocity`` command line: ``say`` (text to a wav file) and ``make-checkpoint`` (random weights)."""
+"""``chattts-velocity`` command line: ``say`` (text to a wav file), ``make-checkpoint`` (random weights) and
+``bench`` (reference vs velocity engine on random weights)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from .config import SAMPLE_RATE
+
+if TYPE_CHECKING:
+    from .bench.config import BenchConfig
 
 
 def _say(args: argparse.Namespace) -> int:
@@ -50,6 +55,63 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_config(args: argparse.Namespace) -> BenchConfig:
+    from .bench.config import BenchConfig
+
+    return BenchConfig(
+        size=args.size, batches=tuple(args.batch), tokens=args.tokens, device=args.device, dtype=args.dtype,
+        json_path=args.json, plot_path=args.plot, skip_reference=args.skip_reference,
+        reference_max_batch=args.reference_max_batch, seed=args.seed, repeats=args.repeats,
+        decode_batch=args.decode_batch, max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib,
+        prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
+        show_progress=not args.no_progress,
+    )
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.runner import run_and_report
+
+    run_and_report(_bench_config(args))
+    return 0
+
+
+def _add_bench_parser(sub) -> None:
+    from .bench.config import DEFAULT_BATCHES, DTYPES, SIZES
+
+    b = sub.add_parser("bench", help="reference decode vs velocity engine on random weights, in one run",
+                       description="Time the reference decode loop and the velocity engine on the same "
+                                   "random weights and prompt: per-step latency, tokens/s, audio seconds per "
+                                   "second (GPT alone and with the wav decode), time to first audio and peak "
+                                   "memory.")
+    b.add_argument("--size", default="full", choices=SIZES, help="full (real shapes) or tiny random weights")
+    b.add_argument("--batch", type=int, nargs="+", default=list(DEFAULT_BATCHES),
+                   help="batch sizes: concurrent requests submitted at once (default: 1 16 64 256)")
+    b.add_argument("--tokens", type=int, default=500, help="audio tokens generated per sequence, exactly")
+    b.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
+    b.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="velocity engine dtype (default: float16 on cuda, float32 on cpu); the reference "
+                        "runs in float32 as upstream does")
+    b.add_argument("--json", default="bench.json", help="results file (default: bench.json)")
+    b.add_argument("--plot", default=None, metavar="PNG", help="also draw a chart (needs matplotlib)")
+    b.add_argument("--skip-reference", action="store_true", help="measure the velocity engine only")
+    b.add_argument("--reference-max-batch", type=int, default=None, metavar="N",
+                   help="run the reference only at batches <= N (default: every batch)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random weights and of sampling")
+    b.add_argument("--repeats", type=int, default=1, help="timed runs per variant; figures are medians")
+    b.add_argument("--decode-batch", type=int, default=32,
+                   help="sequences per Decoder+Vocos call when decoding the wavs (default: 32)")
+    b.add_argument("--max-num-seqs", type=int, default=None,
+                   help="engine: running sequences (default: the batch)")
+    b.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="engine: KV cache size (default: what the batch needs)")
+    b.add_argument("--prefix-caching", action="store_true",
+                   help="engine: share equal prompt prefixes (off by default: every request has the same "
+                        "prompt, and the warm-up run would fill the cache for the timed one)")
+    b.add_argument("--enforce-eager", action="store_true", help="engine: no CUDA graphs")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chattts-velocity", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -78,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--size", default="tiny", choices=["tiny", "full"], help="tiny (tests) or full (real shapes)")
     mk.add_argument("--seed", type=int, default=0, help="random seed")
     mk.set_defaults(func=_make_checkpoint)
+
+    _add_bench_parser(sub)
     return p
 
 

@@ -51,6 +51,8 @@ class MultiStepDecoder:
         self.device = device
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.state = self._allocate(max_batch, gpt.config.hidden_size)
+        with torch.inference_mode():
+            self.code_head = gpt.embed.code_head_matrix()  # [Q * V, H] float32
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if use_cuda_graph:
             self._capture_all()
@@ -89,8 +91,7 @@ class MultiStepDecoder:
                                  context_lens=(rope_pos + 1).to(torch.int32), block_tables=s.block_tables[:b],
                                  decode_only=True)
         hidden = self.core.forward(emb, meta, self.kv_caches).float()  # [b, H]
-        logits = self.gpt.embed.code_logits(hidden)  # [b, V, Q]
-        logits = logits.permute(0, 2, 1).reshape(rows, -1)  # [b*Q, V]
+        logits = (hidden @ self.code_head.T).view(rows, -1)  # [b, Q*V] -> [b*Q, V]
         tok = sample_rows(logits, p.rows(rows), self.eos)  # [b*Q]
         s.out_tokens[:, :b].index_copy_(0, s.step_out[None], tok.view(1, b, self.num_vq))
         s.out_hidden[:, :b].index_copy_(0, s.step_out[None], hidden[None])

@@ -19,6 +19,7 @@ from ..kernels.sample import exponential_race
 from ..sampling.processors import MIN_TOKENS_TO_KEEP
 from .sequence import Sequence, Token
 
+
 @dataclass
 class RowParams:
     """Per-row sampling parameters as tensors. R rows."""

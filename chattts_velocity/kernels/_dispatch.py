@@ -12,7 +12,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def use_triton(t: Tensor) -> bool:
-    """Triton for CUDA tensors, and for CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter the tests use)."""
+    """Triton for CUDA tensors, and for CPU tensors under ``TRITON_INTERPRET=1`` (the Triton interpreter)."""
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -9,7 +9,7 @@ from ._dispatch import FLOAT_DTYPES, check, check_contiguous, check_tensor, use_
 
 
 def silu_and_mul(x: Tensor) -> Tensor:
-    """x [N, 2I] = cat(gate, up) -> silu(gate) * up [N, I], computed in float32 and rounded once to x's dtype."""
+    """x [N, 2I] = cat(gate, up) -> silu(gate) * up [N, I], in float32, rounded once to x's dtype."""
     check_tensor("x", x, "[N, 2I]", 2, FLOAT_DTYPES)
     check(x.shape[1] % 2 == 0, f"x must hold gate and up halves, got an odd last dim {x.shape[1]}")
     check_contiguous("x", x)

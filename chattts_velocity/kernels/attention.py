@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: decode (one query per sequence) and varlen causal prefill.
 
 K/V are read through ``block_tables`` [S, max_blocks] int32: token t of sequence s sits in cache slot
-block_tables[s, t // block_size] * block_size + t % block_size. Entries past a sequence's context are never read.
+block_tables[s, t // block_size] * block_size + t % block_size. Entries past a sequence's context are never
+read.
 """
 
 from __future__ import annotations
@@ -9,17 +10,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dispatch import FLOAT_DTYPES, check, check_contiguous, check_rows, check_same_device, check_tensor, use_triton
+from ._dispatch import (
+    FLOAT_DTYPES,
+    check,
+    check_contiguous,
+    check_rows,
+    check_same_device,
+    check_tensor,
+    use_triton,
+)
 from .kv_cache import check_kv_cache
 
 
-def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
-                           scale: float, *, num_splits: int | None = None) -> Tensor:
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                           context_lens: Tensor, scale: float, *, num_splits: int | None = None) -> Tensor:
     """q [B, Hq, D] (each sequence's newest token, its K/V already cached) -> out [B, Hq, D] in q's dtype.
 
-    Sequence b attends to its first context_lens[b] cached tokens (a length of 0 gives zeros). ``num_splits``
-    splits each context into that many ranges reduced afterwards (flash-decoding); None picks it from the
-    device's SM count. Query head h reads KV head h // (Hq // Hk).
+    Sequence b attends to its first context_lens[b] cached tokens (a length of 0 gives zeros; it must not
+    exceed block_tables.shape[1] * block_size). ``num_splits`` splits the contexts into that many ranges merged
+    afterwards (flash-decoding); None picks it from the device's SM count. Query head h reads KV head
+    h // (Hq // Hk).
     """
     _check_common(q, k_cache, v_cache, block_tables, context_lens)
     check(block_tables.shape[0] == q.shape[0] == context_lens.shape[0],
@@ -30,12 +40,13 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     if use_triton(q):
         from ._triton.decode import paged_decode_attention_triton
 
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                             num_splits)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
-                            context_lens: Tensor, scale: float) -> Tensor:
+def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                            cu_seqlens_q: Tensor, context_lens: Tensor, scale: float) -> Tensor:
     """q [N, Hq, D]: the new tokens of S sequences, flattened -> out [N, Hq, D] in q's dtype, causal.
 
     Sequence s owns q rows cu_seqlens_q[s]:cu_seqlens_q[s + 1] (q_len of them) and has context_lens[s] cached
@@ -53,7 +64,8 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     if use_triton(q):
         from ._triton.prefill import paged_prefill_attention_triton
 
-        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                              scale)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 
@@ -62,8 +74,8 @@ def paged_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
     """Torch reference of ``paged_decode_attention`` (the CPU path)."""
     out = torch.empty_like(q)
     for b, ctx in enumerate(context_lens.tolist()):
-        k, v = gather_kv(k_cache, block_tables[b], ctx), gather_kv(v_cache, block_tables[b], ctx)
-        out[b] = causal_attention(q[b : b + 1], k, v, scale)[0]
+        k, v = _gather_kv(k_cache, block_tables[b], ctx), _gather_kv(v_cache, block_tables[b], ctx)
+        out[b] = _causal_attention(q[b : b + 1], k, v, scale)[0]
     return out
 
 
@@ -73,12 +85,12 @@ def paged_prefill_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, blo
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     for s, ctx in enumerate(context_lens.tolist()):
-        k, v = gather_kv(k_cache, block_tables[s], ctx), gather_kv(v_cache, block_tables[s], ctx)
-        out[cu[s] : cu[s + 1]] = causal_attention(q[cu[s] : cu[s + 1]], k, v, scale)
+        k, v = _gather_kv(k_cache, block_tables[s], ctx), _gather_kv(v_cache, block_tables[s], ctx)
+        out[cu[s] : cu[s + 1]] = _causal_attention(q[cu[s] : cu[s + 1]], k, v, scale)
     return out
 
 
-def gather_kv(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
+def _gather_kv(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
     """The first ``length`` tokens of one sequence from a paged cache -> [length, Hk, D]."""
     block_size = cache.shape[1]
     t = torch.arange(length, device=cache.device)
@@ -86,25 +98,28 @@ def gather_kv(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
     return cache.flatten(0, 1)[slots]
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def _causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """q [L, Hq, D] are the last L of the T positions of k, v [T, Hk, D] -> [L, Hq, D]; float32 softmax."""
     group = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)  # [T, Hq, D]
     scores = torch.einsum("lhd,thd->hlt", q.float(), k) * scale  # [Hq, L, T]
     length, total = q.shape[0], k.shape[0]
-    visible = torch.arange(total, device=q.device)[None, :] <= torch.arange(total - length, total, device=q.device)[:, None]
+    q_pos = torch.arange(total - length, total, device=q.device)  # [L]
+    visible = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]  # [L, T]
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     return torch.einsum("hlt,thd->lhd", probs, v).to(q.dtype)
 
 
-def _check_common(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor) -> None:
+def _check_common(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                  context_lens: Tensor) -> None:
     check_kv_cache(k_cache, v_cache)
     check_tensor("q", q, "[N, Hq, D]", 3, FLOAT_DTYPES)
     check(q.dtype == k_cache.dtype, f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
     check_rows("q", q)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     check(q.shape[2] == head_dim, f"q head_dim {q.shape[2]} != cache head_dim {head_dim}")
-    check(q.shape[1] % num_kv_heads == 0, f"q heads ({q.shape[1]}) must be a multiple of KV heads ({num_kv_heads})")
+    check(q.shape[1] % num_kv_heads == 0,
+          f"q heads ({q.shape[1]}) must be a multiple of KV heads ({num_kv_heads})")
     check(head_dim >= 16, f"head_dim must be >= 16 (tensor-core tile), got {head_dim}")
     check_tensor("block_tables", block_tables, "[S, max_blocks]", 2, (torch.int32,))
     check_rows("block_tables", block_tables)

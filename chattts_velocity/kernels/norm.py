@@ -8,7 +8,8 @@ from torch import Tensor
 from ._dispatch import FLOAT_DTYPES, check, check_contiguous, check_same_device, check_tensor, use_triton
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+def rms_norm(x: Tensor, weight: Tensor, eps: float,
+             residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """x [N, H] -> rmsnorm(x) * weight; with ``residual``: r = x + residual -> (rmsnorm(r) * weight, r).
 
     The norm runs in float32 and is cast to x's dtype before the weight multiply (Hugging Face's order);
@@ -22,7 +23,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     return rms_norm_ref(x, weight, eps, residual)
 
 
-def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float,
+                 residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Torch reference of ``rms_norm`` (the CPU path)."""
     r = x if residual is None else x + residual  # [N, H]
     h = r.float()
@@ -35,7 +37,8 @@ def _check(x: Tensor, weight: Tensor, residual: Tensor | None) -> None:
     check_tensor("x", x, "[N, H]", 2, FLOAT_DTYPES)
     check_contiguous("x", x)
     check_tensor("weight", weight, "[H]", 1, (x.dtype,))
-    check(weight.shape[0] == x.shape[1], f"weight has {weight.shape[0]} elements, x has hidden size {x.shape[1]}")
+    check(weight.shape[0] == x.shape[1],
+          f"weight has {weight.shape[0]} elements, x has hidden size {x.shape[1]}")
     check_contiguous("weight", weight)
     if residual is None:
         check_same_device(x=x, weight=weight)

@@ -21,8 +21,8 @@ from ._dispatch import (
 def rotary_cos_sin_cache(head_dim: int, max_pos: int, theta: float, device: torch.device | str) -> Tensor:
     """[max_pos, head_dim] float32: cos(pos * inv_freq) in the first half of each row, sin in the second.
 
-    Computed as Hugging Face Llama's default rope does: inv_freq in float32 on the CPU, then the angles and their
-    cos/sin on ``device``, so the values match the model's bit for bit.
+    Computed as Hugging Face Llama's default rope does: inv_freq in float32 on the CPU, then the angles and
+    their cos/sin on ``device``, so the values match the model's bit for bit.
     """
     check(head_dim > 0 and head_dim % 2 == 0, f"head_dim must be even and > 0, got {head_dim}")
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [D/2]
@@ -64,7 +64,8 @@ def _check(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> No
     n, _, head_dim = q.shape
     check(k.shape[0] == n and k.shape[2] == head_dim,
           f"k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in N or D")
-    check(is_power_of_two(head_dim) and head_dim >= 2, f"head_dim must be a power of two >= 2, got {head_dim}")
+    check(is_power_of_two(head_dim) and head_dim >= 2,
+          f"head_dim must be a power of two >= 2, got {head_dim}")
     check_rows("q", q)
     check_rows("k", k)
     check_tensor("positions", positions, "[N]", 1, INDEX_DTYPES)

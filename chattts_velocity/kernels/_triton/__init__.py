@@ -1,1 +1,1 @@
-"""Triton kernels and their launches; imported only when an op runs on Triton, so CPU installs need no triton."""
+"""Triton kernels and their launches, imported only when an op runs on Triton: CPU installs need no triton."""

@@ -12,7 +12,7 @@ def num_warps_for(elements: int) -> int:
     return min(max(elements // 256, 1), 8)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached: the query costs microseconds)."""
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -27,5 +27,6 @@ def silu_and_mul_triton(x: Tensor) -> Tensor:
     n, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(inter), _MAX_BLOCK)
-    _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](x, out, inter, BLOCK=block, num_warps=num_warps_for(block))
+    grid = (n, triton.cdiv(inter, block))
+    _silu_and_mul_kernel[grid](x, out, inter, BLOCK=block, num_warps=num_warps_for(block))
     return out

@@ -1,8 +1,8 @@
 """Paged decode attention: one program per (sequence, q head, context split), online softmax over KV tiles.
 
-With several splits (flash-decoding) each program leaves an unnormalised partial result and its running
-max/sum, and a second kernel merges the splits. A batch with fewer (sequence, head) pairs than SMs needs
-that to use the whole GPU: batch 1 x 12 heads would keep 12 of an H100's 132 SMs busy.
+With several splits (flash-decoding) each program leaves an unnormalised partial result with its running max
+and sum, and a second kernel merges the splits. A batch with fewer (sequence, head) pairs than SMs needs that
+to use the whole GPU: batch 1 x 12 heads alone would keep 12 of an H100's 132 SMs busy.
 """
 
 from __future__ import annotations
@@ -16,14 +16,17 @@ from ._launch import sm_count
 from .paged import kv_offsets
 
 _LOG2E = 1.4426950408889634
-_MIN_SPLIT_TOKENS = 128  # below this a split's fixed cost outweighs the parallelism it adds
+# Untuned starting points, to be set from H100 timings: splits shorter than this cost more than they add, and
+# this many programs per SM keep it busy.
+_MIN_SPLIT_TOKENS = 128
 _PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, m_ptr, l_ptr,
-                   qk_scale, q_stride_seq, q_stride_head, bt_stride, split_len, num_kv_heads, group,
-                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, max_ptr,
+                   sum_ptr, qk_scale, q_stride_seq, q_stride_head, bt_stride, split_len, num_kv_heads, group,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT: tl.constexpr):
     seq, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = seq * tl.num_programs(1) + head  # index of (seq, head) in out
     start = split * split_len
@@ -53,28 +56,30 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         m_i = m_new
     if SPLIT:
         part = row * tl.num_programs(2) + split
-        tl.store(m_ptr + part, m_i)
-        tl.store(l_ptr + part, l_i)
+        tl.store(max_ptr + part, m_i)
+        tl.store(sum_ptr + part, l_i)
         tl.store(out_ptr + part.to(tl.int64) * HEAD_DIM + dims, acc)
     else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)  # an empty context gives zeros, not NaN
         tl.store(out_ptr + row.to(tl.int64) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _merge_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+def _merge_splits_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
+                         SPLITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS)
     valid = splits < num_splits
-    m = tl.load(m_ptr + row * num_splits + splits, mask=valid, other=float("-inf"))  # [SPLITS]
-    l = tl.load(l_ptr + row * num_splits + splits, mask=valid, other=0.0)
-    m_max = tl.max(m, axis=0)
-    weights = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits (m = -inf) weigh 0
-    offs = (row * num_splits + splits)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]  # [SPLITS, D]
+    maxes = tl.load(max_ptr + row * num_splits + splits, mask=valid, other=float("-inf"))  # [SPLITS]
+    sums = tl.load(sum_ptr + row * num_splits + splits, mask=valid, other=0.0)
+    top = tl.max(maxes, axis=0)
+    weights = tl.exp2(maxes - tl.where(top == float("-inf"), 0.0, top))  # empty splits (max -inf) weigh 0
+    dims = tl.arange(0, HEAD_DIM)
+    offs = (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :]  # [SPLITS, D]
     acc = tl.sum(tl.load(acc_ptr + offs, mask=valid[:, None], other=0.0) * weights[:, None], axis=0)
-    total = tl.sum(l * weights, axis=0)
+    total = tl.sum(sums * weights, axis=0)
     out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + tl.arange(0, HEAD_DIM), out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -88,27 +93,27 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     if num_splits is None:
         num_splits = _auto_splits(batch * num_heads, max_context, q.device)
     split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-    num_splits = max(triton.cdiv(max_context, split_len), 1)
+    num_splits = triton.cdiv(max_context, split_len)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a view
     split = num_splits > 1
     if split:
         partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        l = torch.empty_like(m)
+        maxes = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        sums = torch.empty_like(maxes)
     else:
-        partial, m, l = out, out, out  # m and l are unused without splits
+        partial, maxes, sums = out, out, out  # maxes and sums are unused without splits
     _decode_kernel[(batch, num_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, partial, m, l, scale * _LOG2E, q.stride(0), q.stride(1),
-        block_tables.stride(0), split_len, num_kv_heads, num_heads // num_kv_heads,
+        q, k_cache, v_cache, block_tables, context_lens, partial, maxes, sums, scale * _LOG2E, q.stride(0),
+        q.stride(1), block_tables.stride(0), split_len, num_kv_heads, num_heads // num_kv_heads,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, num_warps=4)
     if split:
-        _merge_splits_kernel[(batch * num_heads,)](partial, m, l, out, num_splits, HEAD_DIM=head_dim,
+        _merge_splits_kernel[(batch * num_heads,)](partial, maxes, sums, out, num_splits, HEAD_DIM=head_dim,
                                                    SPLITS=triton.next_power_of_2(num_splits), num_warps=1)
     return out
 
 
 def _auto_splits(programs: int, max_context: int, device: torch.device) -> int:
-    """Enough splits to give every SM ``_PROGRAMS_PER_SM`` programs, none shorter than ``_MIN_SPLIT_TOKENS``."""
+    """Enough splits for ``_PROGRAMS_PER_SM`` programs per SM, none shorter than ``_MIN_SPLIT_TOKENS``."""
     if device.type != "cuda":
         return 1
     wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), programs)

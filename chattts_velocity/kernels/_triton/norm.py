@@ -30,7 +30,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps,
     tl.store(out_ptr + offs, out.to(x.dtype), mask=mask)
 
 
-def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float,
+                    residual: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
     n, hidden = x.shape
     out = torch.empty_like(x)
     new_res = out if residual is None else torch.empty_like(x)

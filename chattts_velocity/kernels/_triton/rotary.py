@@ -22,7 +22,8 @@ def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin, HALF: tl.constexpr, H
 
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, q_stride_tok, q_stride_head, k_stride_tok, k_stride_head,
-                   num_q_heads, num_k_heads, HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr):
+                   num_q_heads, num_k_heads, HALF: tl.constexpr, Q_HEADS: tl.constexpr,
+                   K_HEADS: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     cols = tl.arange(0, HALF)

@@ -7,15 +7,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..sample import COL_SALT, MIX1, MIX2
+from .. import sample
+
+# Jitted code reads only constexpr globals; the values live in ``sample`` (the reference uses them too).
+_MIX1 = tl.constexpr(sample.MIX1)
+_MIX2 = tl.constexpr(sample.MIX2)
+_COL_SALT = tl.constexpr(sample.COL_SALT)
 
 
 @triton.jit
 def _mix32(x):
+    """x: uint32 (products wrap modulo 2**32, as the reference's masked int64 arithmetic)."""
     x = x ^ (x >> 16)
-    x = x * MIX1
+    x = x * tl.full((), _MIX1, tl.uint32)
     x = x ^ (x >> 15)
-    x = x * MIX2
+    x = x * tl.full((), _MIX2, tl.uint32)
     return x ^ (x >> 16)
 
 
@@ -33,7 +39,7 @@ def _race_kernel(probs_ptr, seed_ptr, step_ptr, lane_ptr, out_ptr, stride, VOCAB
         cols = start + tl.arange(0, BLOCK)
         valid = cols < VOCAB
         p = tl.load(probs_ptr + row.to(tl.int64) * stride + cols, mask=valid, other=0.0)
-        bits = _mix32(h ^ _mix32(cols.to(tl.uint32) + COL_SALT))
+        bits = _mix32(h ^ _mix32(cols.to(tl.uint32) + tl.full((), _COL_SALT, tl.uint32)))
         u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         score = tl.where(valid, p / -tl.log(u), -1.0)
         better = score > best  # strict: the earliest id wins ties, as torch.argmax

@@ -1,0 +1,110 @@
+"""The benchmark's outputs: the JSON file, the printed table (one line per batch, both paths and the speedups)
+and the optional PNG chart."""
+
+from __future__ import annotations
+
+import json
+import os
+
+# (title, row key, show the speedup): what the printed table shows per batch.
+TABLE_COLUMNS = (
+    ("ms/step p50", "step_ms_p50", True),
+    ("steps/s/seq", "steps_per_s", False),
+    ("tokens/s", "tokens_per_s", True),
+    ("GPT audio s/s", "gpt_audio_s_per_s", False),
+    ("e2e audio s/s", "e2e_audio_s_per_s", True),
+    ("TTFA s", "ttfa_s", True),
+    ("peak GiB", "peak_mem_gib", False),
+)
+CHART_PANELS = (
+    ("tokens_per_s", "generated tokens/s (all sequences)"),
+    ("e2e_audio_s_per_s", "audio s per wall s, incl. wav decode"),
+    ("step_ms_p50", "decode step p50 (ms)"),
+    ("ttfa_s", "time to first audio (s)"),
+)
+_WIDTH = 8
+
+
+def require_matplotlib() -> None:
+    """Fail before the (long) run when a chart is asked for but cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib (or leave out --plot)"
+        ) from None
+
+
+def prepare_output(path: str) -> None:
+    """Create the folder of an output file up front, so a bad path fails before the run, not after it."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path!r} is a folder; give a file path")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def write_json(report: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if value < 10 else f"{value:.1f}"
+
+
+def format_table(report: dict) -> str:
+    """One line per batch: each figure for the reference, the velocity engine and (some) their ratio."""
+    rows = {(r["path"], r["batch"]): r for r in report["rows"]}
+    speedups = {s["batch"]: s for s in report["speedups"]}
+    groups, subs = ["batch".rjust(5)], ["".rjust(5)]
+    for title, _, ratio in TABLE_COLUMNS:
+        cols = ["ref", "vel"] + (["x"] if ratio else [])
+        width = len(cols) * (_WIDTH + 1) - 1
+        groups.append(title.center(width))
+        subs.append(" ".join(c.rjust(_WIDTH) for c in cols))
+    lines = [" | ".join(groups), " | ".join(subs)]
+    for batch in report["meta"]["batches"]:
+        ref, vel, up = rows.get(("reference", batch), {}), rows[("velocity", batch)], speedups.get(batch, {})
+        cells = [str(batch).rjust(5)]
+        for _, key, ratio in TABLE_COLUMNS:
+            values = [_fmt(ref.get(key)), _fmt(vel[key])]
+            if ratio:
+                values.append("-" if key not in up else f"{up[key]:.1f}x")
+            cells.append(" ".join(v.rjust(_WIDTH) for v in values))
+        lines.append(" | ".join(cells))
+    meta = report["meta"]
+    lines.append(
+        f"{meta['device']}, {meta['size']} model, {meta['tokens']} tokens per sequence, engine "
+        f"{meta['dtype']}, reference {meta['reference_dtype']}; x = velocity over reference (>1 is better)"
+    )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """A 2x2 chart of the main figures against the batch size, one line per path, log scales."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, (key, title) in zip(axes.flat, CHART_PANELS, strict=True):
+        for name in ("reference", "velocity"):
+            points = sorted((r["batch"], r[key]) for r in report["rows"] if r["path"] == name)
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        ax.set(title=title, xlabel="batch", xscale="log", yscale="log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    meta = report["meta"]
+    fig.suptitle(
+        f"chattts-velocity bench: {meta['device']}, {meta['size']} model, {meta['tokens']} tokens, "
+        f"engine {meta['dtype']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,237 @@
+"""``chattts-velocity bench`` end to end on a tiny random model on CPU: the JSON's schema, figures that are
+positive and consistent with each other, the printed table, ``--skip-reference``, and clear errors for bad
+arguments. Speed targets are judged on a GPU, never here."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shlex
+import sys
+from dataclasses import fields
+
+import pytest
+
+from chattts_velocity.cli import _bench_config, build_parser, main
+from chattts_velocity.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
+
+TOKENS_PER_AUDIO_S = SAMPLE_RATE / SAMPLES_PER_TOKEN  # 46.875
+ROW_KEYS = {
+    "path",
+    "batch",
+    "tokens",
+    "step_ms_p50",
+    "steps_per_s",
+    "tokens_per_s",
+    "gpt_audio_s_per_s",
+    "e2e_audio_s_per_s",
+    "ttfa_s",
+    "ttfa_generate_s",
+    "ttfa_decode_s",
+    "peak_mem_gib",
+    "prefill_s",
+    "gpt_s",
+    "decode_s",
+    "generated_tokens",
+}
+SPEEDUP_KEYS = {
+    "batch",
+    "step_ms_p50",
+    "steps_per_s",
+    "tokens_per_s",
+    "gpt_audio_s_per_s",
+    "e2e_audio_s_per_s",
+    "ttfa_s",
+}
+META_KEYS = {
+    "device",
+    "torch",
+    "triton",
+    "dtype",
+    "size",
+    "tokens",
+    "batches",
+    "command",
+    "date",
+    "peak_mem_kind",
+}
+TINY_CPU = ["bench", "--size", "tiny", "--device", "cpu", "--no-progress"]
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(argv)
+    return rc, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def both_paths(tmp_path_factory):
+    """One run of both paths at batches 1 and 2, 8 tokens: (report, printed output)."""
+    path = tmp_path_factory.mktemp("bench") / "out" / "bench.json"
+    rc, printed = run_cli([*TINY_CPU, "--batch", "1", "2", "--tokens", "8", "--json", str(path)])
+    assert rc == 0
+    return json.loads(path.read_text()), printed
+
+
+def test_json_has_meta_a_row_per_path_and_batch_and_speedups(both_paths):
+    report, _ = both_paths
+    assert META_KEYS <= report["meta"].keys()
+    assert report["meta"]["dtype"] == "float32" and report["meta"]["size"] == "tiny"
+    assert report["meta"]["command"].startswith("chattts-velocity bench --size tiny --batch 1 2 --tokens 8")
+    assert set(report["definitions"]) >= {"ttfa_s", "steps_per_s", "tokens_per_s", "e2e_audio_s_per_s"}
+    assert sorted((r["path"], r["batch"]) for r in report["rows"]) == [
+        ("reference", 1),
+        ("reference", 2),
+        ("velocity", 1),
+        ("velocity", 2),
+    ]
+    for row in report["rows"]:
+        assert ROW_KEYS <= row.keys(), ROW_KEYS - row.keys()
+    assert [s["batch"] for s in report["speedups"]] == [1, 2]
+    for s in report["speedups"]:
+        assert s.keys() == SPEEDUP_KEYS
+
+
+def test_figures_are_positive_and_consistent(both_paths):
+    report, _ = both_paths
+    for row in report["rows"]:
+        b = row["batch"]
+        for key in ROW_KEYS - {"path"}:
+            assert row[key] > 0, (row["path"], b, key)
+        assert row["generated_tokens"] == b * 8
+        assert row["tokens_per_s"] == pytest.approx(b * row["steps_per_s"], rel=1e-6)
+        assert row["gpt_audio_s_per_s"] == pytest.approx(row["tokens_per_s"] / TOKENS_PER_AUDIO_S, rel=1e-6)
+        assert row["e2e_audio_s_per_s"] < row["gpt_audio_s_per_s"]  # the wav decode only adds time
+        assert row["prefill_s"] < row["gpt_s"]
+        assert row["ttfa_generate_s"] <= row["gpt_s"]
+        assert row["ttfa_s"] == pytest.approx(row["ttfa_generate_s"] + row["ttfa_decode_s"], rel=1e-9)
+        assert row["step_ms_p50"] / 1000 < row["gpt_s"]
+
+
+def test_speedups_are_velocity_over_reference(both_paths):
+    report, _ = both_paths
+    rows = {(r["path"], r["batch"]): r for r in report["rows"]}
+    for s in report["speedups"]:
+        ref, vel = rows[("reference", s["batch"])], rows[("velocity", s["batch"])]
+        assert s["tokens_per_s"] == pytest.approx(vel["tokens_per_s"] / ref["tokens_per_s"])
+        assert s["ttfa_s"] == pytest.approx(ref["ttfa_s"] / vel["ttfa_s"])
+        assert s["step_ms_p50"] == pytest.approx(ref["step_ms_p50"] / vel["step_ms_p50"])
+
+
+def test_table_prints_one_line_per_batch_with_both_paths(both_paths):
+    _, printed = both_paths
+    lines = printed.splitlines()
+    body = [line for line in lines if line.split("|")[0].strip() in ("1", "2")]
+    assert len(body) == 2
+    assert all(line.count("x") == 4 for line in body)  # four speedup columns filled
+    assert any(line.startswith("wrote ") and line.endswith("bench.json") for line in lines)
+
+
+def test_skip_reference_omits_reference_rows(tmp_path):
+    path = tmp_path / "bench.json"
+    rc, printed = run_cli(
+        [*TINY_CPU, "--batch", "1", "--tokens", "4", "--skip-reference", "--json", str(path)]
+    )
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert [(r["path"], r["batch"]) for r in report["rows"]] == [("velocity", 1)]
+    assert report["speedups"] == []
+    assert "--skip-reference" in report["meta"]["command"]
+    assert " - " in printed  # the reference's cells are dashes
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch", "0"], "--batch must be an int >= 1"),
+        (["--batch", "1", "1"], "--batch sizes must be distinct"),
+        (["--tokens", "0"], "--tokens must be an int >= 2"),
+        (["--tokens", "1"], "--tokens must be an int >= 2"),
+        (["--repeats", "0"], "--repeats must be an int >= 1"),
+        (["--decode-batch", "0"], "--decode-batch must be an int >= 1"),
+        (["--reference-max-batch", "0"], "--reference-max-batch must be an int >= 1"),
+        (["--kv-cache-gib", "0"], "--kv-cache-gib must be > 0"),
+        (["--device", "tpu"], "--device must be"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_error(args, message, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert main([*TINY_CPU, *args, "--json", str(path)]) == 2
+    assert f"error: {message}" in capsys.readouterr().err
+    assert not path.exists()
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(["bench", "--device", "cuda", "--json", str(tmp_path / "b.json")]) == 2
+    assert "CUDA is not available; use --device cpu" in capsys.readouterr().err
+
+
+def test_too_many_tokens_for_the_context_is_a_clear_error(tmp_path, capsys):
+    assert main([*TINY_CPU, "--tokens", "5000", "--json", str(tmp_path / "b.json")]) == 2
+    assert "exceed the model's context" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_fails_before_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    path = tmp_path / "bench.json"
+    assert main([*TINY_CPU, "--tokens", "4", "--json", str(path), "--plot", str(tmp_path / "b.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert not path.exists()
+
+
+def test_plot_draws_a_png(both_paths, tmp_path):
+    pytest.importorskip("matplotlib")
+    from chattts_velocity.bench.report import plot
+
+    plot(both_paths[0], str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_recorded_command_repeats_the_run():
+    args = build_parser().parse_args(
+        [
+            *TINY_CPU,
+            "--batch",
+            "3",
+            "1",
+            "--tokens",
+            "7",
+            "--reference-max-batch",
+            "2",
+            "--kv-cache-gib",
+            "0.5",
+            "--prefix-caching",
+            "--json",
+            "a b.json",
+        ]
+    )
+    config = _bench_config(args)
+    again = _bench_config(build_parser().parse_args(shlex.split(config.command())[1:]))
+    assert again.command() == config.command()
+    assert (again.batches, again.tokens, again.json_path, again.kv_cache_gib) == ((3, 1), 7, "a b.json", 0.5)
+
+
+def test_engine_config_fits_the_whole_batch_at_once():
+    from chattts_velocity.bench.config import BenchConfig
+    from chattts_velocity.bench.runner import engine_config
+    from chattts_velocity.engine import EngineConfig
+
+    cfg = engine_config(BenchConfig(size="tiny", device="cpu", batches=(3,)), batch=3, seq_len=40)
+    assert cfg.max_num_seqs == 3 and not cfg.enable_prefix_caching and cfg.dtype == "float32"
+    per_seq = -(-40 // cfg.block_size)
+    assert cfg.num_kv_blocks * (1 - cfg.watermark) >= 3 * per_seq
+    assert engine_config(BenchConfig(size="tiny", device="cpu", max_num_seqs=2), 3, 40).max_num_seqs == 2
+    given = engine_config(BenchConfig(size="tiny", device="cpu", kv_cache_gib=0.25), 3, 40)
+    assert given.kv_cache_gib == 0.25 and given.num_kv_blocks is None
+    eager = BenchConfig(size="tiny", device="cpu", enforce_eager=True)
+    if "enforce_eager" in {f.name for f in fields(EngineConfig)}:
+        assert engine_config(eager, 3, 40).enforce_eager
+    else:
+        with pytest.raises(ValueError, match="no enforce_eager setting"):
+            engine_config(eager, 3, 40)

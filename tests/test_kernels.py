@@ -1,0 +1,499 @@
+"""The Llama-core kernels against their torch references, and the references against independent maths.
+
+Kernel vs reference runs over two case tables: on CPU through the Triton interpreter (tiny shapes, float32
+and float16; all cases in one subprocess started with ``TRITON_INTERPRET=1``, because the interpreter is
+chosen when ``triton.jit`` decorates a kernel and must not leak into other tests), and on CUDA with the real
+model's shapes (``-m gpu``). bfloat16 is GPU-only: the interpreter rounds it differently from torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chattts_velocity import kernels as K
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TOLERANCES = {  # dtype -> (atol, rtol): about two ulps of the output dtype
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+RESULT_PREFIX = "KERNEL_RESULTS "
+
+
+# ---------------------------------------------------------------------------------------------- input helpers
+
+
+def _randn(*shape: int, dtype: torch.dtype, device: str, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+    """Drawn on the CPU in float32, so a case gets the same values on every device."""
+    return (torch.randn(*shape) * std + mean).to(dtype=dtype, device=device)
+
+
+def _heads(n: int, heads: int, head_dim: int, dtype: torch.dtype, device: str, strided: bool) -> torch.Tensor:
+    """[n, heads, head_dim]; ``strided``: a slice of a wider fused projection, like q of a qkv GEMM."""
+    if not strided:
+        return _randn(n, heads, head_dim, dtype=dtype, device=device)
+    fused = _randn(n, (heads + 3) * head_dim, dtype=dtype, device=device)  # [n, (heads + 3) D]
+    return fused[:, head_dim : (heads + 1) * head_dim].view(n, heads, head_dim)
+
+
+def _paged_cache(context_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random k/v caches with two spare blocks, and a block table giving each sequence shuffled block ids;
+    entries past a context are -1, so reading one faults or shows in the result."""
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    k_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    ids = torch.randperm(num_blocks).tolist()
+    table = torch.full((len(context_lens), max(blocks_per_seq, default=0) + 1), -1, dtype=torch.int32)
+    for s, count in enumerate(blocks_per_seq):
+        table[s, :count] = torch.tensor(ids[:count], dtype=torch.int32)
+        ids = ids[count:]
+    return k_cache, v_cache, table.to(device)
+
+
+def _int32(values: list[int], device: str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------- kernel vs reference, per op
+
+
+def _check_rms_norm(dtype: torch.dtype, device: str, n: int, hidden: int, residual: bool) -> None:
+    x = _randn(n, hidden, dtype=dtype, device=device)
+    weight = _randn(hidden, dtype=dtype, device=device, std=0.1, mean=1.0)
+    res = _randn(n, hidden, dtype=dtype, device=device) if residual else None
+    out, expected = K.rms_norm(x, weight, 1e-6, res), K.rms_norm_ref(x, weight, 1e-6, res)
+    if residual:
+        assert torch.equal(out[1], expected[1]), "new residual differs"
+        out, expected = out[0], expected[0]
+    _assert_close(out, expected, dtype)
+
+
+def _check_apply_rotary(dtype: torch.dtype, device: str, n: int, heads: tuple[int, int], head_dim: int,
+                        positions_dtype: torch.dtype, strided: bool) -> None:
+    cache = K.rotary_cos_sin_cache(head_dim, 4096, 10000.0, device)
+    positions = torch.randint(0, 4096, (n,), dtype=positions_dtype).to(device)
+    q, k = (_heads(n, h, head_dim, dtype, device, strided) for h in heads)
+    q_ref, k_ref = K.apply_rotary_ref(q.clone(), k.clone(), positions, cache)
+    q_out, k_out = K.apply_rotary(q, k, positions, cache)
+    assert q_out is q and k_out is k, "apply_rotary must work in place"
+    _assert_close(q, q_ref, dtype)
+    _assert_close(k, k_ref, dtype)
+
+
+def _check_silu_and_mul(dtype: torch.dtype, device: str, n: int, inter: int) -> None:
+    x = _randn(n, 2 * inter, dtype=dtype, device=device, std=3.0)
+    _assert_close(K.silu_and_mul(x), K.silu_and_mul_ref(x), dtype)
+
+
+def _check_store_kv(dtype: torch.dtype, device: str, n: int, kv_heads: int, head_dim: int, block_size: int,
+                    strided: bool) -> None:
+    num_blocks = -(-n // block_size) + 2
+    slots = torch.randperm(num_blocks * block_size)[:n]
+    slots[::3] = -1  # padding tokens
+    slots = slots.to(device)
+    k, v = (_heads(n, kv_heads, head_dim, dtype, device, strided) for _ in range(2))
+    k_cache, v_cache = (_randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+                        for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    K.store_kv(k, v, k_cache, v_cache, slots)
+    K.store_kv_ref(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), "cache contents differ"
+
+
+def _check_decode(dtype: torch.dtype, device: str, context_lens: list[int], heads: tuple[int, int],
+                  head_dim: int, block_size: int, num_splits: int | None, strided: bool) -> None:
+    k_cache, v_cache, table = _paged_cache(context_lens, heads[1], head_dim, block_size, dtype, device)
+    q = _heads(len(context_lens), heads[0], head_dim, dtype, device, strided)
+    lens, scale = _int32(context_lens, device), head_dim**-0.5
+    out = K.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, num_splits=num_splits)
+    _assert_close(out, K.paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale), dtype)
+
+
+def _check_prefill(dtype: torch.dtype, device: str, seqs: list[tuple[int, int]], heads: tuple[int, int],
+                   head_dim: int, block_size: int, strided: bool) -> None:
+    """``seqs``: (q_len, context_len) per sequence."""
+    q_lens, context_lens = [q_len for q_len, _ in seqs], [ctx for _, ctx in seqs]
+    k_cache, v_cache, table = _paged_cache(context_lens, heads[1], head_dim, block_size, dtype, device)
+    cu = _int32([0] + torch.tensor(q_lens).cumsum(0).tolist(), device)
+    q = _heads(sum(q_lens), heads[0], head_dim, dtype, device, strided)
+    lens, scale = _int32(context_lens, device), head_dim**-0.5
+    out = K.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale)
+    _assert_close(out, K.paged_prefill_attention_ref(q, k_cache, v_cache, table, cu, lens, scale), dtype)
+
+
+CHECKS = {
+    "rms_norm": _check_rms_norm,
+    "apply_rotary": _check_apply_rotary,
+    "silu_and_mul": _check_silu_and_mul,
+    "store_kv": _check_store_kv,
+    "paged_decode_attention": _check_decode,
+    "paged_prefill_attention": _check_prefill,
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel-vs-reference comparison: ``CHECKS[op](dtype, device, **params)``."""
+
+    op: str
+    name: str
+    dtype: str
+    params: dict
+
+    def __str__(self) -> str:
+        return f"{self.op}-{self.name}-{self.dtype}"
+
+    def run(self, device: str) -> None:
+        torch.manual_seed(0)
+        CHECKS[self.op](DTYPES[self.dtype], device, **self.params)
+
+
+def _cases(dtypes: tuple[str, ...], specs: list[tuple[str, str, dict]]) -> list[Case]:
+    return [Case(op, name, dtype, params) for op, name, params in specs for dtype in dtypes]
+
+
+def _norm(name: str, n: int, hidden: int, residual: bool = False) -> tuple[str, str, dict]:
+    return "rms_norm", name, dict(n=n, hidden=hidden, residual=residual)
+
+
+def _rotary(name: str, n: int, heads: tuple[int, int], head_dim: int, positions_dtype=torch.int64,
+            strided: bool = False) -> tuple[str, str, dict]:
+    return "apply_rotary", name, dict(n=n, heads=heads, head_dim=head_dim, positions_dtype=positions_dtype,
+                                      strided=strided)
+
+
+def _silu(name: str, n: int, inter: int) -> tuple[str, str, dict]:
+    return "silu_and_mul", name, dict(n=n, inter=inter)
+
+
+def _store(name: str, n: int, kv_heads: int, head_dim: int, block_size: int,
+           strided: bool = False) -> tuple[str, str, dict]:
+    return "store_kv", name, dict(n=n, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                                  strided=strided)
+
+
+def _decode(name: str, context_lens: list[int], heads: tuple[int, int], head_dim: int, block_size: int,
+            num_splits: int | None = None, strided: bool = False) -> tuple[str, str, dict]:
+    return "paged_decode_attention", name, dict(context_lens=context_lens, heads=heads, head_dim=head_dim,
+                                                block_size=block_size, num_splits=num_splits, strided=strided)
+
+
+def _prefill(name: str, seqs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int,
+             strided: bool = False) -> tuple[str, str, dict]:
+    return "paged_prefill_attention", name, dict(seqs=seqs, heads=heads, head_dim=head_dim,
+                                                 block_size=block_size, strided=strided)
+
+
+INTERPRETER_CASES = _cases(("fp32", "fp16"), [
+    _norm("n1_h40", 1, 40),
+    _norm("n3_h72_residual", 3, 72, residual=True),
+    _norm("n17_h40_residual", 17, 40, residual=True),
+    _norm("n33_h72", 33, 72),
+    _rotary("n1_d16", 1, (4, 4), 16),
+    _rotary("n5_gqa_int32_strided", 5, (6, 2), 32, positions_dtype=torch.int32, strided=True),
+    _rotary("n17_heads3_strided", 17, (3, 1), 16, strided=True),
+    _silu("n1_i40", 1, 40),
+    _silu("n3_i72", 3, 72),
+    _silu("n2_i1100_two_column_blocks", 2, 1100),
+    _store("n1_bs4", 1, 2, 16, 4),
+    _store("n17_heads3_bs16_strided", 17, 3, 32, 16, strided=True),
+    _decode("odd_lens_bs4", [1, 17, 50], (2, 2), 16, 4),
+    _decode("gqa_3_splits_strided", [33, 5], (4, 2), 32, 16, num_splits=3, strided=True),
+    _decode("8_splits_with_empty_context", [70, 1, 0], (3, 1), 16, 4, num_splits=8),
+    _prefill("mixed_decode_full_and_prefix", [(1, 1), (17, 17), (5, 40)], (2, 2), 16, 4),
+    _prefill("gqa_prefix_longer_than_q_strided", [(33, 33), (1, 20), (3, 70)], (4, 2), 32, 16, strided=True),
+    _prefill("one_seq_three_q_tiles", [(40, 40)], (1, 1), 16, 4),
+])
+
+# The real model: hidden 768, 12 q and 12 KV heads of 64, intermediate 3072, 16-token blocks.
+_LENS = [1, 15, 16, 17, 500, 1000, 2000]
+_RANDOM_LENS = torch.randint(1, 2001, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+GPU_CASES = _cases(("fp32", "fp16", "bf16"), [
+    _norm("n1_h768", 1, 768),
+    _norm("n33_h768_residual", 33, 768, residual=True),
+    _norm("n2000_h768_residual", 2000, 768, residual=True),
+    _norm("n3_h40_residual", 3, 40, residual=True),
+    _rotary("n1_strided", 1, (12, 12), 64, strided=True),
+    _rotary("n2048_strided", 2048, (12, 12), 64, strided=True),
+    _rotary("n17_gqa_int32", 17, (12, 4), 64, positions_dtype=torch.int32),
+    _silu("n1_i3072", 1, 3072),
+    _silu("n257_i3072", 257, 3072),
+    _silu("n3_i72", 3, 72),
+    _store("n1_strided", 1, 12, 64, 16, strided=True),
+    _store("n257_strided", 257, 12, 64, 16, strided=True),
+    _decode("b1_ctx1999_auto_splits_strided", [1999], (12, 12), 64, 16, strided=True),
+    _decode("b7_mixed_lens_auto_splits", _LENS, (12, 12), 64, 16),
+    _decode("b7_mixed_lens_no_split", _LENS, (12, 12), 64, 16, num_splits=1),
+    _decode("b256_random_lens", _RANDOM_LENS, (12, 12), 64, 16),
+    _decode("b3_gqa_5_splits", [300, 1, 1777], (12, 4), 64, 16, num_splits=5),
+    _prefill("one_seq_2000", [(2000, 2000)], (12, 12), 64, 16),
+    _prefill("decodes_chunks_prefix_strided", [(1, 1000), (37, 1500), (500, 500), (1, 1), (129, 200)],
+             (12, 12), 64, 16, strided=True),
+    _prefill("gqa_prefix", [(100, 1100), (64, 64), (3, 3)], (12, 4), 64, 16),
+    _prefill("64_decodes_and_a_prefill", [(1, 300 + 23 * i) for i in range(64)] + [(700, 900)], (12, 12),
+             64, 16),
+])
+
+
+# ------------------------------------------------------------------------------- the interpreter subprocess
+
+
+def _fix_interpreter_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns its 1-element scalar arrays into loop bounds with int(), which
+    numpy >= 2.4 refuses, so every dynamic-bound loop fails (triton-lang/triton#9171, fixed after 3.6)."""
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None:
+        return
+
+    def patched(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def interpreter_main() -> None:
+    """Entry point of the subprocess: run every interpreter case, print one JSON line of results."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    _fix_interpreter_for_numpy_2_4()
+    results = {}
+    for case in INTERPRETER_CASES:
+        try:
+            case.run("cpu")
+            results[str(case)] = ""
+        except Exception as e:  # reported per case by the parent test
+            results[str(case)] = f"{type(e).__name__}: {e}"
+    modules = sorted(m for m in sys.modules if m.startswith("chattts_velocity.kernels._triton."))
+    print(RESULT_PREFIX + json.dumps({"cases": results, "triton_modules": modules}))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    code = "import test_kernels; test_kernels.interpreter_main()"  # cwd is tests/
+    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    output = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{output}"
+    return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+
+
+@pytest.mark.parametrize("case", INTERPRETER_CASES, ids=str)
+def test_triton_interpreter_matches_reference(case: Case, interpreter_results: dict) -> None:
+    error = interpreter_results["cases"][str(case)]
+    assert not error, f"{case}: {error}"
+
+
+def test_interpreter_ran_every_triton_module(interpreter_results: dict) -> None:
+    """Guards against the cases silently comparing the reference with itself."""
+    modules = {"norm", "rotary", "activation", "kv_cache", "decode", "prefill"}
+    ran = {name.rsplit(".", 1)[1] for name in interpreter_results["triton_modules"]}
+    assert modules <= ran, f"never ran on Triton: {modules - ran}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_triton_gpu_matches_reference(case: Case) -> None:
+    case.run("cuda")
+
+
+# ------------------------------------------------------------------------- references vs independent maths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_rms_norm_ref_equals_transformers_llama_rms_norm(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(72, eps=1e-5).to(dtype)
+    norm.weight.data = _randn(72, dtype=dtype, device="cpu", std=0.1, mean=1.0)
+    x, residual = _randn(5, 72, dtype=dtype, device="cpu"), _randn(5, 72, dtype=dtype, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(K.rms_norm_ref(x, norm.weight, 1e-5), norm(x))
+        out, new_residual = K.rms_norm_ref(x, norm.weight, 1e-5, residual)
+        assert torch.equal(new_residual, x + residual) and torch.equal(out, norm(x + residual))
+
+
+def _hf_rotary(head_dim: int, theta: float):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = {"rope_type": "default", "rope_theta": theta}
+    config = LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=4096, rope_parameters=rope)
+    return LlamaRotaryEmbedding(config)
+
+
+def test_rotary_cache_equals_transformers_cos_sin() -> None:
+    positions = torch.arange(4096)[None]  # [1, P]
+    cos, sin = _hf_rotary(64, 10000.0)(torch.zeros(1, dtype=torch.float32), positions)  # [1, P, D]
+    cache = K.rotary_cos_sin_cache(64, 4096, 10000.0, "cpu")
+    assert cache.dtype == torch.float32 and cache.shape == (4096, 64)
+    assert torch.equal(cache[:, :32], cos[0, :, :32]) and torch.equal(cache[:, 32:], sin[0, :, :32])
+
+
+def test_apply_rotary_ref_matches_transformers_apply_rotary_pos_emb() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    q, k, positions = torch.randn(9, 4, 32), torch.randn(9, 2, 32), torch.randint(0, 4096, (9,))
+    cos, sin = _hf_rotary(32, 10000.0)(q, positions[None])  # [1, N, D]
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)  # [1,H,N,D]
+    q_ref, k_ref = K.apply_rotary_ref(q, k, positions, K.rotary_cos_sin_cache(32, 4096, 10000.0, "cpu"))
+    torch.testing.assert_close(q_ref, q_hf[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_ref, k_hf[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
+def test_silu_and_mul_ref_is_silu_gate_times_up_in_float32() -> None:
+    x = torch.randn(4, 2 * 24, dtype=torch.float16) * 3
+    gate, up = x.float()[:, :24], x.float()[:, 24:]
+    out = K.silu_and_mul_ref(x)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, (gate / (1 + torch.exp(-gate)) * up).half())
+
+
+def test_store_kv_ref_writes_slots_and_skips_negative_ones() -> None:
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    k_cache, v_cache = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
+    K.store_kv_ref(k, v, k_cache, v_cache, torch.tensor([13, -1, 2]))
+    assert torch.equal(k_cache[3, 1], k[0]) and torch.equal(v_cache[0, 2], v[2])
+    assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 2, "the skipped token was written"
+
+
+def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [L, Hq, D] as the last L of T positions over k, v [T, Hk, D], via SDPA on the unpaged sequence."""
+    length, total = q.shape[0], k.shape[0]
+    mask = torch.ones(total, total, dtype=torch.bool).tril()[total - length :]  # [L, T]
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L or T, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # [1,Hq,L,D]
+    return out[0].transpose(0, 1)
+
+
+def test_paged_attention_refs_match_dense_sdpa_on_unpaged_sequences() -> None:
+    torch.manual_seed(0)
+    seqs, block_size, scale = [(1, 1), (6, 6), (3, 29), (1, 40)], 4, 0.3  # (q_len, context_len)
+    dense_k = [torch.randn(ctx, 2, 16) for _, ctx in seqs]
+    dense_v = [torch.randn(ctx, 2, 16) for _, ctx in seqs]
+    k_cache, v_cache, table = _paged_cache([ctx for _, ctx in seqs], 2, 16, block_size, torch.float32, "cpu")
+    for s, (_, ctx) in enumerate(seqs):  # scatter the dense sequences into their shuffled blocks
+        slots = table[s, torch.arange(ctx) // block_size].long() * block_size + torch.arange(ctx) % block_size
+        k_cache.view(-1, 2, 16)[slots], v_cache.view(-1, 2, 16)[slots] = dense_k[s], dense_v[s]
+    q = torch.randn(sum(q_len for q_len, _ in seqs), 4, 16)
+    cu = torch.tensor([0, 1, 7, 10, 11], dtype=torch.int32)
+    lens = torch.tensor([ctx for _, ctx in seqs], dtype=torch.int32)
+    out = K.paged_prefill_attention_ref(q, k_cache, v_cache, table, cu, lens, scale)
+    for s in range(len(seqs)):
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        torch.testing.assert_close(out[rows], _dense_causal(q[rows], dense_k[s], dense_v[s], scale))
+    last = cu[1:] - 1  # each sequence's newest token, as a decode batch
+    decode = K.paged_decode_attention_ref(q[last], k_cache, v_cache, table, lens, scale)
+    torch.testing.assert_close(decode, out[last])
+
+
+def test_decode_ref_gives_zeros_for_an_empty_context() -> None:
+    k_cache, v_cache, table = _paged_cache([0, 3], 1, 16, 4, torch.float32, "cpu")
+    lens = _int32([0, 3], "cpu")
+    out = K.paged_decode_attention_ref(torch.randn(2, 1, 16), k_cache, v_cache, table, lens, 1.0)
+    assert torch.equal(out[0], torch.zeros(1, 16)) and out[1].abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------- launcher argument checks
+
+
+def _cache(num_kv_heads: int = 2, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros(4, 4, num_kv_heads, 16, dtype=dtype)  # [num_blocks, block_size, Hk, D]
+
+
+_LONG2 = torch.zeros(2, dtype=torch.long)
+_VALID = {  # op -> valid arguments (q heads 4 over 2 KV heads of 16), so each rejection is about one override
+    "rms_norm": lambda: dict(x=torch.randn(3, 40), weight=torch.ones(40), eps=1e-6,
+                             residual=torch.randn(3, 40)),
+    "apply_rotary": lambda: dict(q=torch.randn(2, 4, 16), k=torch.randn(2, 2, 16), positions=_LONG2,
+                                 cos_sin_cache=torch.zeros(8, 16)),
+    "silu_and_mul": lambda: dict(x=torch.randn(2, 8)),
+    "store_kv": lambda: dict(k=torch.randn(2, 2, 16), v=torch.randn(2, 2, 16), k_cache=_cache(),
+                             v_cache=_cache(), slot_mapping=_LONG2),
+    "paged_decode_attention": lambda: dict(q=torch.randn(2, 4, 16), k_cache=_cache(), v_cache=_cache(),
+                                           block_tables=_int32([[0, 1], [2, 3]], "cpu"),
+                                           context_lens=_int32([5, 8], "cpu"), scale=0.25),
+    "paged_prefill_attention": lambda: dict(q=torch.randn(3, 4, 16), k_cache=_cache(), v_cache=_cache(),
+                                            block_tables=_int32([[0, 1], [2, 3]], "cpu"),
+                                            cu_seqlens_q=_int32([0, 1, 3], "cpu"),
+                                            context_lens=_int32([5, 8], "cpu"), scale=0.25),
+}
+BAD_ARGS = {  # test id -> (op, overrides, expected message)
+    "rms_norm_3d_x": ("rms_norm", dict(x=torch.zeros(2, 3, 40)), r"x must be \[N, H\]"),
+    "rms_norm_int_x": ("rms_norm", dict(x=torch.zeros(3, 40, dtype=torch.int32)),
+                       "x must have dtype float32, float16, bfloat16"),
+    "rms_norm_weight_size": ("rms_norm", dict(weight=torch.ones(41)), "weight has 41 elements"),
+    "rms_norm_weight_dtype": ("rms_norm", dict(weight=torch.ones(40).half()),
+                              "weight must have dtype float32"),
+    "rms_norm_residual_shape": ("rms_norm", dict(residual=torch.zeros(4, 40)), "residual shape"),
+    "rms_norm_noncontiguous_x": ("rms_norm", dict(x=torch.zeros(40, 3).T, weight=torch.ones(3),
+                                                  residual=None), "x must be contiguous"),
+    "rotary_head_dim_not_power_of_two": ("apply_rotary", dict(q=torch.zeros(2, 4, 24),
+                                                              k=torch.zeros(2, 2, 24),
+                                                              cos_sin_cache=torch.zeros(8, 24)),
+                                         "head_dim must be a power of two"),
+    "rotary_half_cache": ("apply_rotary", dict(cos_sin_cache=torch.zeros(8, 16).half()),
+                          "cos_sin_cache must have dtype float32"),
+    "rotary_positions_count": ("apply_rotary", dict(positions=torch.zeros(3, dtype=torch.long)),
+                               "positions has 3 entries"),
+    "rotary_strided_last_dim": ("apply_rotary", dict(q=torch.zeros(2, 16, 4).transpose(1, 2)),
+                                "q must be contiguous in its last dim"),
+    "silu_odd_width": ("silu_and_mul", dict(x=torch.zeros(2, 7)), "odd last dim 7"),
+    "store_kv_head_mismatch": ("store_kv", dict(k=torch.zeros(2, 3, 16), v=torch.zeros(2, 3, 16)),
+                               "k heads/dim"),
+    "store_kv_float_slots": ("store_kv", dict(slot_mapping=torch.zeros(2)),
+                             "slot_mapping must have dtype int32"),
+    "store_kv_noncontiguous_cache": ("store_kv", dict(k_cache=torch.zeros(4, 2, 4, 16).transpose(1, 2)),
+                                     "k_cache must be contiguous"),
+    "decode_heads_not_multiple": ("paged_decode_attention", dict(q=torch.zeros(2, 3, 16)),
+                                  r"q heads \(3\) must be a multiple of KV heads \(2\)"),
+    "decode_int64_block_tables": ("paged_decode_attention", dict(block_tables=torch.zeros(2, 2).long()),
+                                  "block_tables must have dtype int32"),
+    "decode_batch_mismatch": ("paged_decode_attention", dict(q=torch.zeros(3, 4, 16)), "batch sizes differ"),
+    "decode_half_q": ("paged_decode_attention", dict(q=torch.zeros(2, 4, 16).half()),
+                      "q dtype torch.float16 != cache dtype torch.float32"),
+    "decode_zero_splits": ("paged_decode_attention", dict(num_splits=0),
+                           "num_splits must be None or an int >= 1"),
+    "prefill_sequence_count": ("paged_prefill_attention", dict(cu_seqlens_q=_int32([0, 1, 2, 3], "cpu")),
+                               "sequence counts differ"),
+    "prefill_int64_context_lens": ("paged_prefill_attention", dict(context_lens=torch.zeros(2).long()),
+                                   "context_lens must have dtype int32"),
+}
+
+
+@pytest.mark.parametrize(("op", "overrides", "message"), BAD_ARGS.values(), ids=BAD_ARGS.keys())
+def test_launcher_rejects_bad_arguments_with_a_clear_message(op: str, overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        getattr(K, op)(**{**_VALID[op](), **overrides})
+
+
+@pytest.mark.parametrize("op", _VALID)
+def test_launcher_accepts_the_valid_arguments(op: str) -> None:
+    getattr(K, op)(**_VALID[op]())
