@@ -30,7 +30,7 @@ class EngineConfig:
     """Fraction of blocks kept free when admitting requests, so running ones can grow without preemption."""
     dtype: str = "float32"
     """Dtype of the Llama core and its KV cache: float32, float16 or bfloat16 (logits are always float32)."""
-    num_decode_steps: int = 8
+    num_decode_steps: int = 16
     """Decode steps per scheduler call when the batch is all audio decodes (the device updates the inputs
     between them); 1 schedules every step. A finished sequence may compute up to this many unused steps."""
     enforce_eager: bool = False
