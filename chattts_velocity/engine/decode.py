@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -148,10 +149,10 @@ class MultiStepDecoder:
         s.tokens[:b].copy_(torch.tensor(tokens), non_blocking=True)
         s.positions[:b].copy_(torch.tensor(positions), non_blocking=True)
         s.limit[:b].copy_(torch.tensor(limits), non_blocking=True)
-        table = torch.zeros(b, s.block_tables.size(1), dtype=torch.int32)
+        table = np.zeros((b, s.block_tables.size(1)), dtype=np.int32)
         for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        s.block_tables[:b].copy_(table, non_blocking=True)
+            table[i, : len(t)] = t
+        s.block_tables[:b].copy_(torch.from_numpy(table), non_blocking=True)
         self._load_params(seqs, b)
         s.step_out.zero_()
 
