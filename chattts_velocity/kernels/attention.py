@@ -71,12 +71,24 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
 
 def paged_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                                context_lens: Tensor, scale: float) -> Tensor:
-    """Torch reference of ``paged_decode_attention`` (the CPU path)."""
-    out = torch.empty_like(q)
-    for b, ctx in enumerate(context_lens.tolist()):
-        k, v = _gather_kv(k_cache, block_tables[b], ctx), _gather_kv(v_cache, block_tables[b], ctx)
-        out[b] = _causal_attention(q[b : b + 1], k, v, scale)[0]
-    return out
+    """Torch reference of ``paged_decode_attention`` (the CPU path): the whole batch in one masked softmax
+    over its longest context (a per-sequence loop cost the CPU engine ~2x per step at batch 8)."""
+    batch, num_heads, _ = q.shape
+    if batch == 0:
+        return torch.empty_like(q)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    longest = max(int(context_lens.max()), 1)
+    t = torch.arange(longest, device=q.device)  # [T]
+    table = block_tables[:, : -(-longest // block_size)].long().clamp(min=0)  # unused entries may be -1
+    slots = table.gather(1, (t // block_size)[None].expand(batch, -1)) * block_size + t % block_size  # [B, T]
+    group = num_heads // num_kv_heads
+    k = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=2)  # [B, T, Hq, D]
+    v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=2)
+    scores = torch.einsum("bhd,bthd->bht", q.float(), k) * scale  # [B, Hq, T]
+    visible = t[None, :] < context_lens[:, None].long()  # [B, T]
+    probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
+    out = torch.einsum("bht,bthd->bhd", probs.nan_to_num(0.0), v)  # an empty context gives zeros
+    return out.to(q.dtype)
 
 
 def paged_prefill_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,

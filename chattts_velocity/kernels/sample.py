@@ -7,6 +7,8 @@ in one launch per step (measured at batch 1 on an H100 inside the decode CUDA gr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -33,13 +35,19 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+@functools.lru_cache(maxsize=8)
+def _column_hash(vocab: int, device: torch.device) -> Tensor:
+    """The per-id half of the hash: the same for every row and step, so computed once per vocabulary."""
+    return _mix32(torch.arange(vocab, device=device, dtype=torch.int64) + COL_SALT)
+
+
 def counter_uniform(seed: Tensor, step: Tensor, lane: Tensor, vocab: int) -> Tensor:
     """Uniform (0, 1) numbers [R, vocab] float32, a pure function of (seed, step, lane, column) per row."""
     h = _mix32((seed >> 32) & _M32)
     h = _mix32(h ^ (seed & _M32))
     h = _mix32(h ^ (step & _M32))
     h = _mix32(h ^ (lane & _M32))  # [R]
-    cols = _mix32(torch.arange(vocab, device=seed.device, dtype=torch.int64) + COL_SALT)  # [V]
+    cols = _column_hash(vocab, seed.device)  # [V]
     bits = _mix32(h[:, None] ^ cols[None, :])  # [R, V]
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
