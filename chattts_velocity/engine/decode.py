@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..model.llama import AttentionMetadata, LlamaCore
-from .sampler import RowParams, row_params, sample_rows
+from .sampler import RowParams, Sampler, row_params, sample_rows
 from .sampling_params import MAX_PENALTY_WINDOW
 from .sequence import Sequence
 
@@ -41,9 +41,9 @@ class _State:
 
 
 class MultiStepDecoder:
-    def __init__(self, gpt, core: LlamaCore, kv_caches, block_size: int, max_batch: int, max_steps: int,
-                 max_model_len: int, device: torch.device, use_cuda_graph: bool):
-        self.gpt, self.core, self.kv_caches = gpt, core, kv_caches
+    def __init__(self, gpt, core: LlamaCore, kv_caches, sampler: Sampler, block_size: int, max_batch: int,
+                 max_steps: int, max_model_len: int, device: torch.device, use_cuda_graph: bool):
+        self.gpt, self.core, self.kv_caches, self.sampler = gpt, core, kv_caches, sampler
         self.block_size = block_size
         self.num_vq = gpt.config.num_vq
         self.eos = gpt.config.eos_code
@@ -52,8 +52,6 @@ class MultiStepDecoder:
         self.device = device
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.state = self._allocate(max_batch, gpt.config.hidden_size)
-        with torch.inference_mode():
-            self.code_head = gpt.embed.code_head_matrix()  # [Q * V, H] float32
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if use_cuda_graph:
             self._capture_all()
@@ -92,7 +90,7 @@ class MultiStepDecoder:
                                  context_lens=(rope_pos + 1).to(torch.int32), block_tables=s.block_tables[:b],
                                  decode_only=True)
         hidden = self.core.forward(emb, meta, self.kv_caches).float()  # [b, H]
-        logits = (hidden @ self.code_head.T).view(rows, -1)  # [b, Q*V] -> [b*Q, V]
+        logits = self.sampler.code_logits(hidden)  # [b*Q, V]
         tok = sample_rows(logits, p.rows(rows), self.eos)  # [b*Q]
         s.out_tokens[:, :b].index_copy_(0, s.step_out[None], tok.view(1, b, self.num_vq))
         s.out_hidden[:, :b].index_copy_(0, s.step_out[None], hidden[None])
@@ -135,13 +133,12 @@ class MultiStepDecoder:
     def _load(self, seqs: list[Sequence], b: int) -> None:
         """Copy the batch's state into the static buffers; padding rows write nothing and are ignored."""
         s, q = self.state, self.num_vq
-        tokens, positions, limits, tables, rows = [], [], [], [], []
+        tokens, positions, limits, tables = [], [], [], []
         for seq in seqs:
             tokens.append(seq.tokens[-1])
             positions.append(len(seq) - 1)
             limits.append(seq.max_tokens - 1)
             tables.append(seq.block_table)
-            rows.append(seq)
         pad = b - len(seqs)
         tokens += [(0,) * q] * pad
         positions += [0] * pad

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import logging
 import random
 
 import torch
@@ -17,8 +16,6 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence, SequenceGroup
 from .worker import Worker
-
-logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -52,7 +49,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seq = self._new_sequence(request_id, prompt, params)
-        self.requests[request_id] = SequenceGroup(seq, seq.seq_id)
+        self.requests[request_id] = SequenceGroup(seq)
         self.scheduler.add(seq)
 
     def _new_sequence(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Sequence:
@@ -154,8 +151,7 @@ class LLMEngine:
             if eos in token:  # any codebook; a text token repeats its id over the codebooks
                 reason = FinishReason.EOS
                 break
-            seq.tokens.append(token)
-            seq.is_text.append(seq.text_mode)
+            seq.append(token)
             taken += 1
             if len(seq) >= seq.max_tokens:
                 reason = FinishReason.LENGTH

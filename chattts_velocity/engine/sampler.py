@@ -126,6 +126,12 @@ class Sampler:
         self.num_vq = num_vq
         self.code_eos = code_eos
         self.text_eos = text_eos
+        with torch.inference_mode():
+            self.code_head = embed.code_head_matrix()  # [Q * V, H] float32: one GEMM for the 4 heads
+
+    def code_logits(self, hidden: Tensor) -> Tensor:
+        """[S, H] float32 -> [S*Q, V] audio logits, rows ordered (sequence, codebook)."""
+        return (hidden @ self.code_head.T).view(hidden.size(0) * self.num_vq, -1)
 
     @torch.inference_mode()
     def __call__(self, hidden: Tensor, seqs: list[Sequence]) -> list[Token]:
@@ -145,9 +151,7 @@ class Sampler:
             logits = self.embed.text_logits(hidden)  # [S, V]
             ids = sample_rows(logits, self._params(seqs, 1, hidden.device), self.text_eos).tolist()
             return [(t,) * self.num_vq for t in ids]
-        logits = self.embed.code_logits(hidden)  # [S, V, Q]
-        logits = logits.permute(0, 2, 1).reshape(-1, logits.size(1))  # [S*Q, V]
-        ids = sample_rows(logits, self._params(seqs, self.num_vq, hidden.device), self.code_eos)
+        ids = sample_rows(self.code_logits(hidden), self._params(seqs, self.num_vq, hidden.device), self.code_eos)
         return [tuple(row) for row in ids.view(len(seqs), self.num_vq).tolist()]
 
     def _params(self, seqs: list[Sequence], lanes: int, device: torch.device) -> RowParams:

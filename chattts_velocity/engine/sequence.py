@@ -125,12 +125,11 @@ class Sequence:
 
 
 class SequenceGroup:
-    """A request: its sequence, its arrival order, and how much of the output was already reported."""
+    """A request: its sequence and how much of its output was already reported."""
 
-    def __init__(self, seq: Sequence, arrival: int):
+    def __init__(self, seq: Sequence):
         self.seq = seq
         self.request_id = seq.request_id
-        self.arrival = arrival
         self.num_reported = 0
         """Generated tokens already returned by ``LLMEngine.step``."""
 

@@ -42,7 +42,8 @@ class Worker:
         self.decoder = None
         if config.num_decode_steps > 1:
             use_graphs = device.type == "cuda" and not config.enforce_eager
-            self.decoder = MultiStepDecoder(gpt, self.core, self.kv_caches, config.block_size, config.max_num_seqs,
+            self.decoder = MultiStepDecoder(gpt, self.core, self.kv_caches, sampler, config.block_size,
+                                            config.max_num_seqs,
                                             config.num_decode_steps, gcfg.max_position_embeddings, device,
                                             use_graphs)
 

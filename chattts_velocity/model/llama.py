@@ -97,9 +97,9 @@ class LlamaCore:
         q = qkv[:, :q_size].reshape(n, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = q.contiguous(), k.contiguous()
+        # q, k, v stay strided views of qkv: the kernels take any row stride, so no per-layer copies
         kernels.apply_rotary(q, k, meta.positions, self.cos_sin)
-        kernels.store_kv(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_only:
             out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                                  self.scale)
