@@ -47,6 +47,17 @@ def _heads(n: int, heads: int, head_dim: int, dtype: torch.dtype, device: str, s
     return fused[:, head_dim : (heads + 1) * head_dim].view(n, heads, head_dim)
 
 
+def _qkv(n: int, heads: tuple[int, int], head_dim: int, dtype: torch.dtype, device: str,
+         strided: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [n, Hq, D], k and v [n, Hk, D]; ``strided``: views of one fused qkv projection, as the model has them."""
+    q_heads, kv_heads = heads
+    if not strided:
+        return tuple(_randn(n, h, head_dim, dtype=dtype, device=device) for h in (q_heads, kv_heads, kv_heads))
+    fused = _randn(n, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)  # [n, (Hq + 2 Hk) D]
+    q, k, v = fused.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    return q.view(n, q_heads, head_dim), k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
+
+
 def _paged_cache(context_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random k/v caches with two spare blocks, and a block table giving each sequence shuffled block ids;
@@ -118,6 +129,32 @@ def _check_store_kv(dtype: torch.dtype, device: str, n: int, kv_heads: int, head
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), "cache contents differ"
 
 
+def _check_rotary_store_kv(dtype: torch.dtype, device: str, n: int, heads: tuple[int, int], head_dim: int,
+                           block_size: int, index_dtype: torch.dtype, strided: bool) -> None:
+    cos_sin = K.rotary_cos_sin_cache(head_dim, 4096, 10000.0, device)
+    positions = torch.randint(0, 4096, (n,), dtype=index_dtype).to(device)
+    num_blocks = -(-n // block_size) + 2
+    slots = torch.randperm(num_blocks * block_size)[:n].to(index_dtype)
+    slots[1::3] = -1  # padding tokens: rotated, not written
+    slots = slots.to(device)
+    q, k, v = _qkv(n, heads, head_dim, dtype, device, strided)
+    k_cache, v_cache = (_randn(num_blocks, block_size, heads[1], head_dim, dtype=dtype, device=device)
+                        for _ in range(2))
+    q_ref, k_ref, k_cache_ref, v_cache_ref = q.clone(), k.clone(), k_cache.clone(), v_cache.clone()
+    K.rotary_store_kv_ref(q_ref, k_ref, v, positions, cos_sin, k_cache_ref, v_cache_ref, slots)
+    q_out, k_out = K.rotary_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+    assert q_out is q and k_out is k, "rotary_store_kv must rotate in place"
+    _assert_close(q, q_ref, dtype)
+    _assert_close(k, k_ref, dtype)
+    _assert_close(k_cache, k_cache_ref, dtype)
+    assert torch.equal(v_cache, v_cache_ref), "v cache contents differ"
+    keep = slots >= 0
+    assert torch.equal(k_cache.view(-1, *k.shape[1:])[slots[keep].long()], k[keep]), "cached k != rotated k"
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
+    untouched[slots[keep].long()] = False
+    assert torch.equal(k_cache.view(-1, *k.shape[1:])[untouched], k_cache_ref.view(-1, *k.shape[1:])[untouched])
+
+
 def _check_decode(dtype: torch.dtype, device: str, context_lens: list[int], heads: tuple[int, int],
                   head_dim: int, block_size: int, num_splits: int | None, strided: bool) -> None:
     k_cache, v_cache, table = _paged_cache(context_lens, heads[1], head_dim, block_size, dtype, device)
@@ -139,13 +176,30 @@ def _check_prefill(dtype: torch.dtype, device: str, seqs: list[tuple[int, int]],
     _assert_close(out, K.paged_prefill_attention_ref(q, k_cache, v_cache, table, cu, lens, scale), dtype)
 
 
+def _check_fused_linear(dtype: torch.dtype, device: str, m: int, k: int, n: int, norm: bool, residual: bool,
+                        gated: bool) -> None:
+    """``n`` output features (a gated weight has 2n rows)."""
+    x = _randn(m, k, dtype=dtype, device=device)
+    weight = _randn(2 * n if gated else n, k, dtype=dtype, device=device, std=k**-0.5)
+    kw = dict(norm_weight=_randn(k, dtype=dtype, device=device, std=0.1, mean=1.0) if norm else None, eps=1e-6,
+              residual=_randn(m, k, dtype=dtype, device=device) if residual else None, gated=gated)
+    out, expected = K.fused_linear(x, weight, **kw), K.fused_linear_ref(x, weight, **kw)
+    if residual:
+        assert torch.equal(out[1], expected[1]), "new residual differs"
+        out, expected = out[0], expected[0]
+    assert out.shape == (m, n)
+    _assert_close(out, expected, dtype)
+
+
 CHECKS = {
     "rms_norm": _check_rms_norm,
     "apply_rotary": _check_apply_rotary,
     "silu_and_mul": _check_silu_and_mul,
     "store_kv": _check_store_kv,
+    "rotary_store_kv": _check_rotary_store_kv,
     "paged_decode_attention": _check_decode,
     "paged_prefill_attention": _check_prefill,
+    "fused_linear": _check_fused_linear,
 }
 
 
@@ -190,6 +244,12 @@ def _store(name: str, n: int, kv_heads: int, head_dim: int, block_size: int,
                                   strided=strided)
 
 
+def _rotary_store(name: str, n: int, heads: tuple[int, int], head_dim: int, block_size: int,
+                  index_dtype=torch.int64, strided: bool = False) -> tuple[str, str, dict]:
+    return "rotary_store_kv", name, dict(n=n, heads=heads, head_dim=head_dim, block_size=block_size,
+                                         index_dtype=index_dtype, strided=strided)
+
+
 def _decode(name: str, context_lens: list[int], heads: tuple[int, int], head_dim: int, block_size: int,
             num_splits: int | None = None, strided: bool = False) -> tuple[str, str, dict]:
     return "paged_decode_attention", name, dict(context_lens=context_lens, heads=heads, head_dim=head_dim,
@@ -200,6 +260,11 @@ def _prefill(name: str, seqs: list[tuple[int, int]], heads: tuple[int, int], hea
              strided: bool = False) -> tuple[str, str, dict]:
     return "paged_prefill_attention", name, dict(seqs=seqs, heads=heads, head_dim=head_dim,
                                                  block_size=block_size, strided=strided)
+
+
+def _linear(name: str, m: int, k: int, n: int, norm: bool = False, residual: bool = False,
+            gated: bool = False) -> tuple[str, str, dict]:
+    return "fused_linear", name, dict(m=m, k=k, n=n, norm=norm, residual=residual, gated=gated)
 
 
 INTERPRETER_CASES = _cases(("fp32", "fp16"), [
@@ -215,12 +280,20 @@ INTERPRETER_CASES = _cases(("fp32", "fp16"), [
     _silu("n2_i1100_two_column_blocks", 2, 1100),
     _store("n1_bs4", 1, 2, 16, 4),
     _store("n17_heads3_bs16_strided", 17, 3, 32, 16, strided=True),
+    _rotary_store("n1_d16_bs4", 1, (4, 4), 16, 4),
+    _rotary_store("n5_gqa_int32_bs4_strided", 5, (6, 2), 32, 4, index_dtype=torch.int32, strided=True),
+    _rotary_store("n17_heads3_bs16_strided", 17, (3, 3), 16, 16, strided=True),
     _decode("odd_lens_bs4", [1, 17, 50], (2, 2), 16, 4),
     _decode("gqa_3_splits_strided", [33, 5], (4, 2), 32, 16, num_splits=3, strided=True),
     _decode("8_splits_with_empty_context", [70, 1, 0], (3, 1), 16, 4, num_splits=8),
     _prefill("mixed_decode_full_and_prefix", [(1, 1), (17, 17), (5, 40)], (2, 2), 16, 4),
     _prefill("gqa_prefix_longer_than_q_strided", [(33, 33), (1, 20), (3, 70)], (4, 2), 32, 16, strided=True),
     _prefill("one_seq_three_q_tiles", [(40, 40)], (1, 1), 16, 4),
+    _linear("m1_plain_ragged_n_and_k", 1, 40, 24),
+    _linear("m5_norm", 5, 48, 16, norm=True),
+    _linear("m16_norm_residual", 16, 80, 40, norm=True, residual=True),
+    _linear("m3_norm_residual_gated", 3, 48, 24, norm=True, residual=True, gated=True),
+    _linear("m17_unfused_fallback", 17, 32, 16, norm=True, residual=True, gated=True),
 ])
 
 # The real model: hidden 768, 12 q and 12 KV heads of 64, intermediate 3072, 16-token blocks.
@@ -239,6 +312,9 @@ GPU_CASES = _cases(("fp32", "fp16", "bf16"), [
     _silu("n3_i72", 3, 72),
     _store("n1_strided", 1, 12, 64, 16, strided=True),
     _store("n257_strided", 257, 12, 64, 16, strided=True),
+    _rotary_store("n1_strided", 1, (12, 12), 64, 16, strided=True),
+    _rotary_store("n2048_strided", 2048, (12, 12), 64, 16, strided=True),
+    _rotary_store("n17_gqa_int32", 17, (12, 4), 64, 16, index_dtype=torch.int32),
     _decode("b1_ctx1999_auto_splits_strided", [1999], (12, 12), 64, 16, strided=True),
     _decode("b7_mixed_lens_auto_splits", _LENS, (12, 12), 64, 16),
     _decode("b7_mixed_lens_no_split", _LENS, (12, 12), 64, 16, num_splits=1),
@@ -248,6 +324,11 @@ GPU_CASES = _cases(("fp32", "fp16", "bf16"), [
     _prefill("decodes_chunks_prefix_strided", [(1, 1000), (37, 1500), (500, 500), (1, 1), (129, 200)],
              (12, 12), 64, 16, strided=True),
     _prefill("gqa_prefix", [(100, 1100), (64, 64), (3, 3)], (12, 4), 64, 16),
+    _linear("m1_qkv_norm", 1, 768, 2304, norm=True),
+    _linear("m1_o", 1, 768, 768),
+    _linear("m16_gate_up_norm_residual", 16, 768, 3072, norm=True, residual=True, gated=True),
+    _linear("m7_down", 7, 3072, 768),
+    _linear("m64_qkv_norm_residual_unfused", 64, 768, 2304, norm=True, residual=True),
     _prefill("64_decodes_and_a_prefill", [(1, 300 + 23 * i) for i in range(64)] + [(700, 900)], (12, 12),
              64, 16),
 ])
@@ -309,7 +390,7 @@ def test_triton_interpreter_matches_reference(case: Case, interpreter_results: d
 
 def test_interpreter_ran_every_triton_module(interpreter_results: dict) -> None:
     """Guards against the cases silently comparing the reference with itself."""
-    modules = {"norm", "rotary", "activation", "kv_cache", "decode", "prefill"}
+    modules = {"norm", "rotary", "activation", "kv_cache", "rotary_store_kv", "decode", "prefill", "linear"}
     ran = {name.rsplit(".", 1)[1] for name in interpreter_results["triton_modules"]}
     assert modules <= ran, f"never ran on Triton: {modules - ran}"
 
@@ -437,6 +518,11 @@ _VALID = {  # op -> valid arguments (q heads 4 over 2 KV heads of 16), so each r
     "silu_and_mul": lambda: dict(x=torch.randn(2, 8)),
     "store_kv": lambda: dict(k=torch.randn(2, 2, 16), v=torch.randn(2, 2, 16), k_cache=_cache(),
                              v_cache=_cache(), slot_mapping=_LONG2),
+    "rotary_store_kv": lambda: dict(q=torch.randn(2, 4, 16), k=torch.randn(2, 2, 16), v=torch.randn(2, 2, 16),
+                                    positions=_LONG2, cos_sin_cache=torch.zeros(8, 16), k_cache=_cache(),
+                                    v_cache=_cache(), slot_mapping=_LONG2),
+    "fused_linear": lambda: dict(x=torch.randn(3, 40), weight=torch.randn(16, 40), norm_weight=torch.ones(40),
+                                 residual=torch.randn(3, 40), gated=True),
     "paged_decode_attention": lambda: dict(q=torch.randn(2, 4, 16), k_cache=_cache(), v_cache=_cache(),
                                            block_tables=_int32([[0, 1], [2, 3]], "cpu"),
                                            context_lens=_int32([5, 8], "cpu"), scale=0.25),
@@ -472,6 +558,17 @@ BAD_ARGS = {  # test id -> (op, overrides, expected message)
                              "slot_mapping must have dtype int32"),
     "store_kv_noncontiguous_cache": ("store_kv", dict(k_cache=torch.zeros(4, 2, 4, 16).transpose(1, 2)),
                                      "k_cache must be contiguous"),
+    "rotary_store_kv_positions_count": ("rotary_store_kv", dict(positions=torch.zeros(3, dtype=torch.long)),
+                                        "positions has 3 entries"),
+    "rotary_store_kv_float_slots": ("rotary_store_kv", dict(slot_mapping=torch.zeros(2)),
+                                    "slot_mapping must have dtype int32"),
+    "rotary_store_kv_v_shape": ("rotary_store_kv", dict(v=torch.zeros(2, 3, 16)), "v shape"),
+    "linear_inner_size": ("fused_linear", dict(weight=torch.randn(16, 41)), "weight has 41 inputs"),
+    "linear_odd_gated_rows": ("fused_linear", dict(weight=torch.randn(15, 40)), "odd row count 15"),
+    "linear_residual_without_norm": ("fused_linear", dict(norm_weight=None),
+                                     "a residual is only added in front of a norm"),
+    "linear_half_weight": ("fused_linear", dict(weight=torch.randn(16, 40).half()),
+                           "weight must have dtype float32"),
     "decode_heads_not_multiple": ("paged_decode_attention", dict(q=torch.zeros(2, 3, 16)),
                                   r"q heads \(3\) must be a multiple of KV heads \(2\)"),
     "decode_int64_block_tables": ("paged_decode_attention", dict(block_tables=torch.zeros(2, 2).long()),

@@ -16,10 +16,20 @@ from .attention import (
     paged_prefill_attention_ref,
 )
 from .kv_cache import store_kv, store_kv_ref
+from .linear import MAX_FUSED_ROWS, fused_linear, fused_linear_ref
 from .norm import rms_norm, rms_norm_ref
-from .rotary import apply_rotary, apply_rotary_ref, rotary_cos_sin_cache
+from .rotary import (
+    apply_rotary,
+    apply_rotary_ref,
+    rotary_cos_sin_cache,
+    rotary_store_kv,
+    rotary_store_kv_ref,
+)
 
 __all__ = [
+    "MAX_FUSED_ROWS",
+    "fused_linear",
+    "fused_linear_ref",
     "apply_rotary",
     "apply_rotary_ref",
     "paged_decode_attention",
@@ -29,6 +39,8 @@ __all__ = [
     "rms_norm",
     "rms_norm_ref",
     "rotary_cos_sin_cache",
+    "rotary_store_kv",
+    "rotary_store_kv_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
     "store_kv",

@@ -23,10 +23,14 @@ def check(ok: bool, message: str) -> None:
 
 def check_tensor(name: str, t: Tensor, shape: str, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
     """``t`` has ``ndim`` dims (``shape`` names them in the message) and one of ``dtypes``."""
-    check(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    check(t.dim() == ndim, f"{name} must be {shape}, got shape {tuple(t.shape)}")
-    names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-    check(t.dtype in dtypes, f"{name} must have dtype {names}, got {t.dtype}")
+    # messages are built only on failure: these checks run for every op of every CPU decode step
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {shape}, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must have dtype {names}, got {t.dtype}")
 
 
 def check_rows(name: str, t: Tensor) -> None:
@@ -40,8 +44,10 @@ def check_contiguous(name: str, t: Tensor) -> None:
 
 
 def check_same_device(**tensors: Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    check(len(set(devices.values())) == 1, f"tensors must share one device, got {devices}")
+    first = next(iter(tensors.values())).device
+    if any(t.device != first for t in tensors.values()):
+        devices = {name: t.device for name, t in tensors.items()}
+        raise ValueError(f"tensors must share one device, got {devices}")
 
 
 def is_power_of_two(n: int) -> bool:

@@ -81,13 +81,12 @@ def paged_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
     t = torch.arange(longest, device=q.device)  # [T]
     table = block_tables[:, : -(-longest // block_size)].long().clamp(min=0)  # unused entries may be -1
     slots = table.gather(1, (t // block_size)[None].expand(batch, -1)) * block_size + t % block_size  # [B, T]
-    group = num_heads // num_kv_heads
-    k = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=2)  # [B, T, Hq, D]
-    v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=2)
-    scores = torch.einsum("bhd,bthd->bht", q.float(), k) * scale  # [B, Hq, T]
+    k, v = (_repeat_heads(c.flatten(0, 1)[slots], num_heads) for c in (k_cache, v_cache))  # [B, T, Hq, D]
+    # matmuls over [B, Hq] rather than einsum: this runs every layer of every CPU decode step
+    scores = torch.matmul(q.float()[:, :, None, :], k.permute(0, 2, 3, 1))[:, :, 0] * scale  # [B, Hq, T]
     visible = t[None, :] < context_lens[:, None].long()  # [B, T]
     probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
-    out = torch.einsum("bht,bthd->bhd", probs.nan_to_num(0.0), v)  # an empty context gives zeros
+    out = torch.matmul(probs.nan_to_num(0.0)[:, :, None, :], v.transpose(1, 2))[:, :, 0]  # empty context: zeros
     return out.to(q.dtype)
 
 
@@ -110,10 +109,15 @@ def _gather_kv(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
     return cache.flatten(0, 1)[slots]
 
 
+def _repeat_heads(x: Tensor, num_heads: int) -> Tensor:
+    """[..., Hk, D] -> [..., Hq, D] float32: each KV head repeated for its group of query heads."""
+    group = num_heads // x.shape[-2]
+    return (x if group == 1 else x.repeat_interleave(group, dim=-2)).float()
+
+
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """q [L, Hq, D] are the last L of the T positions of k, v [T, Hk, D] -> [L, Hq, D]; float32 softmax."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)  # [T, Hq, D]
+    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])  # [T, Hq, D]
     scores = torch.einsum("lhd,thd->hlt", q.float(), k) * scale  # [Hq, L, T]
     length, total = q.shape[0], k.shape[0]
     q_pos = torch.arange(total - length, total, device=q.device)  # [L]

@@ -1,4 +1,5 @@
-"""Rotary position embedding, non-interleaved (Hugging Face ``rotate_half``) convention, applied in place."""
+"""Rotary position embedding, non-interleaved (Hugging Face ``rotate_half``) convention, applied in place;
+also fused with the KV-cache write that follows it in every layer."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from ._dispatch import (
     is_power_of_two,
     use_triton,
 )
+from .kv_cache import _check as _check_store_kv
+from .kv_cache import store_kv_ref
 
 
 def rotary_cos_sin_cache(head_dim: int, max_pos: int, theta: float, device: torch.device | str) -> Tensor:
@@ -55,6 +58,33 @@ def apply_rotary_ref(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Ten
     for x in (q, k):
         x1, x2 = x[..., :half].float(), x[..., half:].float()
         x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+    return q, k
+
+
+def rotary_store_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,
+                    v_cache: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
+    """``apply_rotary`` then ``store_kv`` in one launch; returns (q, k), rotated in place.
+
+    q [N, Hq, D], k and v [N, Hk, D] (strided views allowed, heads contiguous in D); the rotated k and v go to
+    k_cache, v_cache [num_blocks, block_size, Hk, D] at ``slot_mapping`` [N] (a negative slot skips the write,
+    not the rotation).
+    """
+    _check(q, k, positions, cos_sin_cache)
+    _check_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    if use_triton(q):
+        from ._triton.rotary_store_kv import rotary_store_kv_triton
+
+        rotary_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    else:
+        rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def rotary_store_kv_ref(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                        k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
+    """Torch reference of ``rotary_store_kv`` (the CPU path)."""
+    apply_rotary_ref(q, k, positions, cos_sin_cache)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     return q, k
 
 

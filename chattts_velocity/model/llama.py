@@ -1,8 +1,9 @@
 """The engine's Llama core: the ChatTTS GPT's 20 layers over a paged KV cache, as a flat batch of tokens.
 
 Weights are taken from the transformers ``LlamaModel`` (q/k/v and gate/up fused into one matrix each, so a layer
-is four GEMMs). Every non-GEMM op comes from ``chattts_velocity.kernels``: Triton on CUDA, the torch reference on
-CPU. Inputs are embeddings (ChatTTS builds them from codes, text ids and the speaker vector).
+is four GEMMs). Every op comes from ``chattts_velocity.kernels``: Triton on CUDA (a small decode batch's GEMMs
+too, fused with the norms and the SwiGLU gate; cuBLAS for larger batches), the torch reference on CPU. Inputs
+are embeddings (ChatTTS builds them from codes, text ids and the speaker vector).
 """
 
 from __future__ import annotations
@@ -80,30 +81,32 @@ class LlamaCore:
         x = x.to(self.dtype)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            # each fused_linear is one Triton launch for a small decode batch (norm and gate included)
             if residual is None:
-                h, residual = kernels.rms_norm(x, layer.input_norm, self.eps), x
+                qkv, residual = kernels.fused_linear(x, layer.qkv, norm_weight=layer.input_norm, eps=self.eps), x
             else:
-                h, residual = kernels.rms_norm(x, layer.input_norm, self.eps, residual)
-            x = self._attention(h, layer, meta, k_cache, v_cache)
-            h, residual = kernels.rms_norm(x, layer.post_norm, self.eps, residual)
-            x = kernels.silu_and_mul(h @ layer.gate_up.T) @ layer.down.T
+                qkv, residual = kernels.fused_linear(x, layer.qkv, norm_weight=layer.input_norm, eps=self.eps,
+                                                     residual=residual)
+            x = kernels.fused_linear(self._attention(qkv, meta, k_cache, v_cache), layer.o)
+            h, residual = kernels.fused_linear(x, layer.gate_up, norm_weight=layer.post_norm, eps=self.eps,
+                                               residual=residual, gated=True)
+            x = kernels.fused_linear(h, layer.down)
         h, _ = kernels.rms_norm(x, self.norm, self.eps, residual)
         return h
 
-    def _attention(self, h: Tensor, layer: _Layer, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor):
-        n = h.size(0)
+    def _attention(self, qkv: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """qkv [N, q + 2 kv] projections -> attention output [N, q] (before the o projection)."""
+        n = qkv.size(0)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = h @ layer.qkv.T  # [N, q + 2 kv]
         q = qkv[:, :q_size].reshape(n, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(n, self.num_kv_heads, self.head_dim)
         # q, k, v stay strided views of qkv: the kernels take any row stride, so no per-layer copies
-        kernels.apply_rotary(q, k, meta.positions, self.cos_sin)
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kernels.rotary_store_kv(q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_only:
             out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                                  self.scale)
         else:
             out = kernels.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                                   meta.context_lens, self.scale)
-        return out.reshape(n, q_size) @ layer.o.T
+        return out.reshape(n, q_size)

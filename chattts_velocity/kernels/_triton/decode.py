@@ -16,9 +16,9 @@ from ._launch import sm_count
 from .paged import kv_offsets
 
 _LOG2E = 1.4426950408889634
-# Untuned starting points, to be set from H100 timings: splits shorter than this cost more than they add, and
-# this many programs per SM keep it busy.
-_MIN_SPLIT_TOKENS = 128
+# Fewer (sequence, head) pairs than this many per SM get flash-decoding splits of one tile each: on an H100 at
+# batch 1 (context 286, 12 heads) 64-token splits took 5.0 us per layer against 8.6 us for 192-token splits
+# and 10.0 us unsplit; from batch 64 up, splitting only added time (`benchmarks/kernel_probe.py`).
 _PROGRAMS_PER_SM = 2
 
 
@@ -65,11 +65,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 
 
 @triton.jit
-def _merge_splits_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
-                         SPLITS: tl.constexpr):
+def _merge_splits_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, context_lens_ptr, num_splits, num_heads, split_len,
+                         HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS)
-    valid = splits < num_splits
+    # only the splits that hold context tokens: the rest of the grid sized for the table width was empty
+    live = tl.cdiv(tl.load(context_lens_ptr + row // num_heads), split_len)
+    valid = splits < tl.minimum(live, num_splits)
     maxes = tl.load(max_ptr + row * num_splits + splits, mask=valid, other=float("-inf"))  # [SPLITS]
     sums = tl.load(sum_ptr + row * num_splits + splits, mask=valid, other=0.0)
     top = tl.max(maxes, axis=0)
@@ -91,8 +93,12 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     # The block table's width bounds every context without reading context_lens back from the GPU.
     max_context = max(block_tables.shape[1] * block_size, 1)
     if num_splits is None:
-        num_splits = _auto_splits(batch * num_heads, max_context, q.device)
-    split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+        # Too few (sequence, head) pairs to fill the GPU: one KV tile per program. The grid covers the table
+        # width, so it suits every context a CUDA graph replays it with; programs past a context return at once.
+        few = q.is_cuda and batch * num_heads < _PROGRAMS_PER_SM * sm_count(q.device)
+        split_len = block_n if few else max_context
+    else:
+        split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context, split_len)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a view
     split = num_splits > 1
@@ -107,14 +113,7 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
         q.stride(1), block_tables.stride(0), split_len, num_kv_heads, num_heads // num_kv_heads,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, num_warps=4)
     if split:
-        _merge_splits_kernel[(batch * num_heads,)](partial, maxes, sums, out, num_splits, HEAD_DIM=head_dim,
+        _merge_splits_kernel[(batch * num_heads,)](partial, maxes, sums, out, context_lens, num_splits, num_heads,
+                                                   split_len, HEAD_DIM=head_dim,
                                                    SPLITS=triton.next_power_of_2(num_splits), num_warps=1)
     return out
-
-
-def _auto_splits(programs: int, max_context: int, device: torch.device) -> int:
-    """Enough splits for ``_PROGRAMS_PER_SM`` programs per SM, none shorter than ``_MIN_SPLIT_TOKENS``."""
-    if device.type != "cuda":
-        return 1
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), programs)
-    return max(min(wanted, triton.cdiv(max_context, _MIN_SPLIT_TOKENS)), 1)

@@ -10,14 +10,33 @@ from ._launch import num_warps_for
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin, HALF: tl.constexpr, HEADS: tl.constexpr):
+def _load_cos_sin(pos_ptr, tok, cache_ptr, HALF: tl.constexpr):
+    """cos and sin [1, D/2] of token ``tok``'s position."""
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    cols = tl.arange(0, HALF)
+    cos = tl.load(cache_ptr + pos * (2 * HALF) + cols)[None, :]
+    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + cols)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def _head_halves(x_ptr, stride_head, num_heads, HALF: tl.constexpr, HEADS: tl.constexpr):
+    """Pointers [HEADS, D/2] to the first half of each head (the second half is HALF further), live-head mask."""
     heads = tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
-    ptrs = x_ptr + heads * stride_head + tl.arange(0, HALF)[None, :]  # [HEADS, D/2]
-    mask = heads < num_heads
+    return x_ptr + heads * stride_head + tl.arange(0, HALF)[None, :], heads < num_heads
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin, HALF: tl.constexpr, HEADS: tl.constexpr):
+    """Rotate the heads at x_ptr in place; returns the rotated halves, each [HEADS, D/2] in x's dtype."""
+    ptrs, mask = _head_halves(x_ptr, stride_head, num_heads, HALF, HEADS)
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    y1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    tl.store(ptrs, y1, mask=mask)
+    tl.store(ptrs + HALF, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
@@ -25,10 +44,7 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, q_stride_tok, q_stride_head
                    num_q_heads, num_k_heads, HALF: tl.constexpr, Q_HEADS: tl.constexpr,
                    K_HEADS: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    cols = tl.arange(0, HALF)
-    cos = tl.load(cache_ptr + pos * (2 * HALF) + cols)[None, :]  # [1, D/2]
-    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + cols)[None, :]
+    cos, sin = _load_cos_sin(pos_ptr, tok, cache_ptr, HALF)
     _rotate_heads(q_ptr + tok * q_stride_tok, q_stride_head, num_q_heads, cos, sin, HALF, Q_HEADS)
     _rotate_heads(k_ptr + tok * k_stride_tok, k_stride_head, num_k_heads, cos, sin, HALF, K_HEADS)
 

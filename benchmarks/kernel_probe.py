@@ -1,0 +1,155 @@
+"""GPU probe: the fused decode linears vs cuBLAS at the GPT's shapes, decode attention bandwidth by split count, and the
+wav decode at fp32 / TF32 / bf16. Each timing replays a CUDA graph of 20 launches over 20 distinct operands
+(like 20 layers, so nothing stays in L2); medians of 30 replays."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from chattts_velocity import kernels
+
+
+def graph_time(fn, reps: int = 30) -> float:
+    """ms per replay of a CUDA graph capturing fn()."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def fused_probe(dtype) -> None:
+    """The four linear roles of a layer: the fused Triton kernel (config sweep) vs the unfused ops."""
+    from chattts_velocity.kernels._triton.linear import fused_linear_triton
+
+    roles = {"qkv+norm": (2304, 768, True, False), "o": (768, 768, False, False),
+             "gate_up+norm+silu": (6144, 768, True, True), "down": (768, 3072, False, False)}
+    print("\n== linear roles, 20 distinct weights per graph, us per call (unfused = rms_norm/cuBLAS/silu) ==")
+    for name, (n, k, norm, gated) in roles.items():
+        ws = [torch.randn(n * (2 if gated else 1), k, device="cuda", dtype=dtype) * 0.02 for _ in range(20)]
+        nw = torch.ones(k, device="cuda", dtype=dtype)
+        floor_us = ws[0].numel() * 2 / 3.0e12 * 1e6
+        for m in (1, 16, 64, 128):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            res = torch.randn(m, k, device="cuda", dtype=dtype) if norm else None
+            kw = dict(norm_weight=nw if norm else None, eps=1e-6, residual=res, gated=gated)
+            out = {"unfused": graph_time(lambda: [_unfused(x, w, **kw) for w in ws]) / 20 * 1e3}
+            ref = _unfused(x, ws[-1], **kw)
+            ref = ref[0] if isinstance(ref, tuple) else ref
+            for bn in (16, 32, 64):
+                for bk in (64, 128, 256):
+                    for warps in (2, 4):
+                        cfg = (bn, bk, warps)
+                        try:
+                            def fn(cfg=cfg):
+                                return [fused_linear_triton(x, w, kw["norm_weight"], 1e-6, res, gated, config=cfg)
+                                        for w in ws]
+                            got = fn()[-1]
+                            got = got[0] if isinstance(got, tuple) else got
+                            err = (got.float() - ref.float()).abs().max().item()
+                            if err > 0.05:
+                                print("  bad", name, m, cfg, err)
+                                continue
+                            out[cfg] = graph_time(fn) / 20 * 1e3
+                        except Exception as e:  # noqa: BLE001 (a config that does not compile)
+                            print("  fail", name, m, cfg, type(e).__name__, str(e)[:200])
+            best = sorted((v, c) for c, v in out.items() if c != "unfused")[:3]
+            print(f"{name:18s} M={m:4d} floor {floor_us:5.2f} unfused {out['unfused']:6.2f}  best: "
+                  + ", ".join(f"{c} {v:.2f}" for v, c in best), flush=True)
+
+
+def _unfused(x, w, norm_weight=None, eps=1e-6, residual=None, gated=False):
+    from chattts_velocity.kernels.linear import _unfused as unfused
+
+    return unfused(x, w, norm_weight, eps, residual, gated, kernels.rms_norm, kernels.silu_and_mul)
+
+def attention_probe(dtype) -> None:
+    print("\n== paged decode attention, 20 layers' caches, us per layer call ==")
+    heads, dim, bs = 12, 64, 16
+    for batch, ctx in ((1, 286), (1, 536), (16, 286), (64, 286), (256, 286)):
+        nblk_seq = -(-ctx // bs)
+        nblocks = batch * nblk_seq
+        caches = [(torch.randn(nblocks, bs, heads, dim, device="cuda", dtype=dtype),
+                   torch.randn(nblocks, bs, heads, dim, device="cuda", dtype=dtype)) for _ in range(20)]
+        q = torch.randn(batch, heads, dim, device="cuda", dtype=dtype)
+        perm = torch.randperm(nblocks, device="cuda").to(torch.int32).view(batch, nblk_seq)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        bytes_ = batch * ctx * heads * dim * 2 * q.element_size()
+        for width in (nblk_seq, 256):
+            table = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+            table[:, :nblk_seq] = perm
+            for splits in (None, 1, 2, 4, 8, 16, 32):
+                fn = lambda: [kernels.paged_decode_attention(q, kc, vc, table, lens, 0.125, num_splits=splits)
+                              for kc, vc in caches]
+                us = graph_time(fn) / 20 * 1e3
+                print(f"b={batch:4d} ctx={ctx} width={width * bs:5d} splits={splits!s:5s} {us:7.2f} us "
+                      f"{bytes_ / us / 1e3:7.1f} GB/s")
+
+
+def audio_probe() -> None:
+    from chattts_velocity.audio import AudioDecoder
+    from chattts_velocity.model.loader import ModelLoader
+
+    print("\n== wav decode of 32 x 500 hidden states (Decoder + Vocos) ==")
+    model = ModelLoader(torch.device("cuda"), "dummy").load(None)
+    dec = AudioDecoder(model.dvae, model.decoder, model.vocos, "cuda")
+    hid = [torch.randn(500, 768, device="cuda") for _ in range(32)]
+    base = dec.to_wavs(hid, True)
+    for mode in ("fp32", "tf32", "bf16", "fp16"):
+        torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+        torch.backends.cudnn.allow_tf32 = mode != "fp32"
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16 if mode == "bf16" else torch.float16,
+                             enabled=mode in ("bf16", "fp16"))
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            with ctx:
+                mel = dec.decoder.decode(torch.stack(hid).transpose(1, 2))
+            b.record()
+            b.synchronize()
+            t_mel = a.elapsed_time(b)
+            a.record()
+            with ctx:
+                wav = dec.vocos.decode(mel.float() if mode != "fp32" else mel).float()
+            b.record()
+            b.synchronize()
+            times.append((t_mel, a.elapsed_time(b)))
+        err = (wav.cpu().numpy() - base).std() / base.std()
+        t = sorted(times)[len(times) // 2]
+        print(f"{mode}: decoder {t[0]:.1f} ms, vocos {t[1]:.1f} ms, rel err {err:.2e}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", nargs="+", default=["fused", "attention", "audio"])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    if "fused" in args.parts:
+        fused_probe(torch.float16)
+    if "attention" in args.parts:
+        attention_probe(torch.float16)
+    if "audio" in args.parts:
+        audio_probe()
+
+
+if __name__ == "__main__":
+    main()
