@@ -102,6 +102,39 @@ def attention_probe(dtype) -> None:
                       f"{bytes_ / us / 1e3:7.1f} GB/s")
 
 
+def attention_sweep(dtype) -> None:
+    """The decode kernel's tile and warp choices, unsplit, at the batches where it is bandwidth-bound."""
+    from chattts_velocity.kernels._triton import decode as dec
+
+    print("\n== decode kernel sweep (unsplit), us per layer call ==")
+    heads, dim, bs = 12, 64, 16
+    for batch, ctx in ((64, 286), (256, 286)):
+        nblk = -(-ctx // bs)
+        caches = [(torch.randn(batch * nblk, bs, heads, dim, device="cuda", dtype=dtype),
+                   torch.randn(batch * nblk, bs, heads, dim, device="cuda", dtype=dtype)) for _ in range(20)]
+        q = torch.randn(batch, heads, dim, device="cuda", dtype=dtype)
+        table = torch.randperm(batch * nblk, device="cuda").to(torch.int32).view(batch, nblk)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        bytes_ = batch * ctx * heads * dim * 2 * q.element_size()
+        for block_n in (16, 32, 64, 128):
+            for warps in (1, 2, 4, 8):
+                for stages in (1, 2, 3):
+                    def fn(block_n=block_n, warps=warps, stages=stages):
+                        for kc, vc in caches:
+                            dec._decode_kernel[(batch, heads, 1)](
+                                q, kc, vc, table, lens, out, out, out, 0.125 * dec._LOG2E, q.stride(0),
+                                q.stride(1), table.stride(0), nblk * bs, heads, 1, BLOCK_SIZE=bs, HEAD_DIM=dim,
+                                BLOCK_N=block_n, SPLIT=False, num_warps=warps, num_stages=stages)
+                    try:
+                        us = graph_time(fn) / 20 * 1e3
+                    except Exception as e:  # noqa: BLE001
+                        print("  fail", block_n, warps, stages, type(e).__name__)
+                        continue
+                    print(f"b={batch} ctx={ctx} BLOCK_N={block_n:3d} warps={warps} stages={stages} {us:7.2f} us "
+                          f"{bytes_ / us / 1e3:7.1f} GB/s", flush=True)
+
+
 def audio_probe() -> None:
     from chattts_velocity.audio import AudioDecoder
     from chattts_velocity.model.loader import ModelLoader
@@ -147,6 +180,8 @@ def main() -> None:
         fused_probe(torch.float16)
     if "attention" in args.parts:
         attention_probe(torch.float16)
+    if "attention_sweep" in args.parts:
+        attention_sweep(torch.float16)
     if "audio" in args.parts:
         audio_probe()
 

@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from chattts_velocity.engine.sampler import RowParams, process_rows
-from chattts_velocity.kernels.sample import counter_uniform, exponential_race_ref
+from chattts_velocity.engine.sampler import RowParams
+from chattts_velocity.kernels.sample import U_MAX, counter_uniform, exponential_race_ref
+from chattts_velocity.kernels.sampling import process_rows
 from chattts_velocity.sampling.processors import process_logits
 
 EOS = 9
@@ -39,12 +40,17 @@ def make_params(history: torch.Tensor) -> RowParams:
     )
 
 
+def _process(logits: torch.Tensor, p: RowParams, eos_id: int) -> torch.Tensor:
+    return process_rows(logits, p.temperature, p.top_p, p.top_k, p.penalty, p.history, p.window, p.min_new, p.step,
+                        eos_id)
+
+
 def test_each_row_equals_upstreams_chain_with_its_own_params():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(len(ROWS), 40, generator=g) * 3
     history = torch.randint(0, 40, (len(ROWS), 16), generator=g)
     history[1, :10] = -1  # a short history
-    ours = process_rows(logits.clone(), make_params(history), EOS)
+    ours = _process(logits.clone(), make_params(history), EOS)
     for i, (t, top_p, top_k, pen, min_new, step) in enumerate(ROWS):
         hist = history[i : i + 1][history[i : i + 1] >= 0][None]
         ref = process_logits(logits[i : i + 1].clone(), hist, torch.tensor([[t]]), top_p, top_k, pen,
@@ -60,7 +66,7 @@ def test_penalty_window_counts_only_the_newest_ids():
     p = RowParams(torch.ones(1, 1), torch.ones(1, 1), torch.tensor([1 << 30]), torch.full((1, 1), 2.0), history,
                   torch.tensor([1]), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
                   torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
-    out = process_rows(logits, p, eos_id=7)
+    out = _process(logits, p, eos_id=7)
     assert out[0, 5] == 0.5 and out[0, 3] == 1.0  # only the newest id (5) is inside a window of 1
 
 
@@ -83,6 +89,16 @@ def test_counter_uniforms_are_a_pure_function_of_their_counters():
     assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
 
 
+def test_counter_uniforms_stay_below_one():
+    """(seed 7, step 28504, lane 0, id 95) hits the top bucket, which rounds to 1.0 in float32: clamped, so
+    E = -log U stays positive and a zero-probability id can never win the race with p / E = 0 / 0 = NaN."""
+    one = (torch.tensor([7]), torch.tensor([28504]), torch.tensor([0]))
+    assert counter_uniform(*one, 626)[0, 95] == U_MAX
+    probs = torch.zeros(1, 626)
+    probs[0, :3] = torch.tensor([0.5, 0.3, 0.2])
+    assert exponential_race_ref(probs, *one).item() < 3
+
+
 _INTERPRETER_CHECK = """
 import torch
 from chattts_velocity.kernels.sample import exponential_race_ref
@@ -93,6 +109,7 @@ for vocab in (626, 100, 1500):
     probs[0, 5:] = 0
     seed = torch.randint(0, 2**62, (6,)); seed[1] = 2**63 - 1
     step, lane = torch.randint(0, 4000, (6,)), torch.arange(6) % 4
+    seed[2], step[2], lane[2] = 7, 28504, 0  # U clamped to U_MAX at id 95
     a = exponential_race_ref(probs, seed, step, lane).tolist()
     b = exponential_race_triton(probs, seed, step, lane).tolist()
     assert a == b, (vocab, a, b)

@@ -5,7 +5,8 @@ Rows are (sequence, codebook) pairs in code mode and sequences in text mode. The
 (temperature -> repetition penalty -> top-p -> top-k -> EOS mask below ``min_new_tokens``), applied row-wise,
 so a row's result never depends on its neighbours. Sampling is an exponential race (argmax of p / E with
 E = -log U), where U comes from a counter-based hash of (seed, step, codebook, id): the same request gives
-the same tokens alone, in any batch, in any order, and after preemption.
+the same tokens alone, in any batch, in any order, and after preemption. The chain and the race run as
+``kernels.sampling.sample_rows_fused``: one Triton launch per step, its torch reference on CPU.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..kernels.sample import exponential_race
-from ..sampling.processors import MIN_TOKENS_TO_KEEP
+from ..kernels.sampling import sample_rows_fused
 from .sequence import Sequence, Token
 
 
 @dataclass
 class RowParams:
-    """Per-row sampling parameters as tensors. R rows."""
+    """Per-row sampling parameters as tensors, named as ``sample_rows_fused``'s arguments. R rows."""
 
     temperature: Tensor  # [R, 1] float32
     top_p: Tensor  # [R, 1] float32 (1 = off)
@@ -77,45 +77,9 @@ def row_params(seqs: list[Sequence], lanes: int, num_vq: int, width: int) -> Row
     )
 
 
-def process_rows(logits: Tensor, p: RowParams, eos_id: int) -> Tensor:
-    """The ChatTTS chain on [R, V] float32 logits with per-row parameters; returns filtered logits."""
-    logits = logits / p.temperature
-    logits = _penalise(logits, p.history, p.window, p.penalty)
-    logits = _top_p_top_k(logits, p.top_p, p.top_k)
-    eos = logits[:, eos_id]
-    logits[:, eos_id] = torch.where(p.step < p.min_new, torch.full_like(eos, -float("inf")), eos)
-    return logits
-
-
-def _penalise(logits: Tensor, history: Tensor, window: Tensor, penalty: Tensor) -> Tensor:
-    vocab, width = logits.size(1), history.size(1)
-    cols = torch.arange(width, device=history.device)
-    outside = (history < 0) | (cols[None, :] < width - window[:, None])
-    slots = torch.where(outside, vocab, history)  # empty or too old: counted into a dropped extra column
-    freq = torch.zeros(logits.size(0), vocab + 1, device=logits.device, dtype=torch.float32)
-    freq.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.float32))
-    alpha = torch.pow(penalty, freq[:, :vocab])
-    return torch.where(logits < 0, logits * alpha, logits / alpha)
-
-
-def _top_p_top_k(logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
-    """Top-p then top-k (each keeps at least 3) from one ascending sort. Top-p keeps a suffix of the sorted
-    row, so the k-th largest kept logit is the k-th largest overall whenever top-k still removes anything."""
-    vocab = logits.size(1)
-    sorted_logits, order = torch.sort(logits, descending=False)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop_sorted = cum <= (1 - top_p)
-    drop_sorted[:, -MIN_TOKENS_TO_KEEP:] = False
-    drop = drop_sorted.scatter(1, order, drop_sorted)
-    k = top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=vocab)
-    kth = sorted_logits.gather(1, (vocab - k)[:, None])  # [R, 1]
-    return logits.masked_fill(drop | (logits < kth), -float("inf"))
-
-
 def sample_rows(logits: Tensor, p: RowParams, eos_id: int) -> Tensor:
-    """[R, V] logits -> [R] sampled ids."""
-    probs = torch.softmax(process_rows(logits, p, eos_id), dim=-1)
-    return exponential_race(probs, p.seed, p.step, p.lane)
+    """[R, V] float32 logits -> [R] sampled ids: the whole chain in one fused launch on Triton."""
+    return sample_rows_fused(logits, **vars(p), eos_id=eos_id)
 
 
 class Sampler:

@@ -25,6 +25,7 @@ from .rotary import (
     rotary_store_kv,
     rotary_store_kv_ref,
 )
+from .sampling import sample_rows_fused, sample_rows_fused_ref
 
 __all__ = [
     "MAX_FUSED_ROWS",
@@ -41,6 +42,8 @@ __all__ = [
     "rotary_cos_sin_cache",
     "rotary_store_kv",
     "rotary_store_kv_ref",
+    "sample_rows_fused",
+    "sample_rows_fused_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
     "store_kv",

@@ -1,0 +1,109 @@
+"""The whole sampling chain of a decode step, per row with its own parameters: temperature -> repetition
+penalty over the newest ``window`` history ids -> top-p then top-k (each keeps at least MIN_TOKENS_TO_KEEP)
+-> EOS banned while step < min_new -> softmax -> the seeded exponential race of ``sample.py``.
+
+The torch chain is ~15 small kernels per step (sort, softmax, cumsum, scatter, gather, pow, ...); the Triton
+kernel is one launch: a program per row holds the row in registers and takes both filters' thresholds from one
+in-register sort. Ids equal the reference's up to float rounding on a near-tie (the kernel's exp, summation
+order and repeated-multiply penalty power differ from torch's by an ulp).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..sampling.processors import MIN_TOKENS_TO_KEEP
+from ._dispatch import check_contiguous, check_rows, check_same_device, check_tensor, use_triton
+from .sample import exponential_race, exponential_race_ref
+
+MAX_FUSED_VOCAB = 4096
+"""Widest row the fused kernel holds in registers. Wider ones (the text head: 21178 ids, padded to 32768) run
+the chain with the Triton race: fused, 64 such rows took 1.4 ms on an H100, the chain 0.34 ms."""
+
+
+def sample_rows_fused(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor,
+                      history: Tensor, window: Tensor, min_new: Tensor, seed: Tensor, step: Tensor, lane: Tensor,
+                      eos_id: int) -> Tensor:
+    """logits [R, V] float32 -> sampled ids [R] int64.
+
+    temperature, top_p (1 = off), penalty (1 = off): [R, 1] float32. history [R, W] int64: generated ids,
+    newest last, -1 = empty. top_k (>= V = off), window (newest history entries the penalty counts), min_new
+    (EOS is banned while step < min_new), seed, step, lane: [R] int64. All on logits' device, contiguous.
+    """
+    args = (logits, temperature, top_p, top_k, penalty, history, window, min_new, seed, step, lane, eos_id)
+    _check(*args)
+    if not use_triton(logits):
+        return sample_rows_fused_ref(*args)
+    if logits.size(1) > MAX_FUSED_VOCAB:
+        probs = torch.softmax(process_rows(logits, temperature, top_p, top_k, penalty, history, window, min_new,
+                                           step, eos_id), dim=-1)
+        return exponential_race(probs, seed, step, lane)
+    from ._triton.sampling import sample_rows_triton
+
+    return sample_rows_triton(*args)
+
+
+def sample_rows_fused_ref(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor,
+                          history: Tensor, window: Tensor, min_new: Tensor, seed: Tensor, step: Tensor,
+                          lane: Tensor, eos_id: int) -> Tensor:
+    """Torch reference of ``sample_rows_fused`` (the CPU path): the chain, softmax, the race."""
+    filtered = process_rows(logits, temperature, top_p, top_k, penalty, history, window, min_new, step, eos_id)
+    return exponential_race_ref(torch.softmax(filtered, dim=-1), seed, step, lane)
+
+
+def process_rows(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor,
+                 history: Tensor, window: Tensor, min_new: Tensor, step: Tensor, eos_id: int) -> Tensor:
+    """The ChatTTS chain on [R, V] float32 logits with per-row parameters (as ``sample_rows_fused``); returns
+    the filtered logits [R, V], -inf where removed."""
+    logits = logits / temperature
+    logits = _penalise(logits, history, window, penalty)
+    logits = _top_p_top_k(logits, top_p, top_k)
+    eos = logits[:, eos_id]
+    logits[:, eos_id] = torch.where(step < min_new, torch.full_like(eos, -float("inf")), eos)
+    return logits
+
+
+def _penalise(logits: Tensor, history: Tensor, window: Tensor, penalty: Tensor) -> Tensor:
+    vocab, width = logits.size(1), history.size(1)
+    cols = torch.arange(width, device=history.device)
+    outside = (history < 0) | (cols[None, :] < width - window[:, None])
+    slots = torch.where(outside, vocab, history)  # empty or too old: counted into a dropped extra column
+    freq = torch.zeros(logits.size(0), vocab + 1, device=logits.device, dtype=torch.float32)
+    freq.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.float32))
+    alpha = torch.pow(penalty, freq[:, :vocab])
+    return torch.where(logits < 0, logits * alpha, logits / alpha)
+
+
+def _top_p_top_k(logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+    """Top-p then top-k (each keeps at least 3) from one ascending sort. Top-p keeps a suffix of the sorted
+    row, so the k-th largest kept logit is the k-th largest overall whenever top-k still removes anything."""
+    vocab = logits.size(1)
+    sorted_logits, order = torch.sort(logits, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cum <= (1 - top_p)
+    drop_sorted[:, -MIN_TOKENS_TO_KEEP:] = False
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    k = top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=vocab)
+    kth = sorted_logits.gather(1, (vocab - k)[:, None])  # [R, 1]
+    return logits.masked_fill(drop | (logits < kth), -float("inf"))
+
+
+def _check(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor, history: Tensor,
+           window: Tensor, min_new: Tensor, seed: Tensor, step: Tensor, lane: Tensor, eos_id: int) -> None:
+    check_tensor("logits", logits, "[R, V]", 2, (torch.float32,))
+    check_rows("logits", logits)
+    rows, vocab = logits.shape
+    f32, i64 = torch.float32, torch.int64
+    per_row = {"temperature": (temperature, "[R, 1]", f32), "top_p": (top_p, "[R, 1]", f32),
+               "top_k": (top_k, "[R]", i64), "penalty": (penalty, "[R, 1]", f32), "history": (history, "[R, W]", i64),
+               "window": (window, "[R]", i64), "min_new": (min_new, "[R]", i64), "seed": (seed, "[R]", i64),
+               "step": (step, "[R]", i64), "lane": (lane, "[R]", i64)}
+    for name, (t, shape, dtype) in per_row.items():
+        check_tensor(name, t, shape, shape.count(",") + 1, (dtype,))
+        if t.size(0) != rows or (shape == "[R, 1]" and t.size(1) != 1):
+            raise ValueError(f"{name} must be {shape} with R = {rows} (logits' rows), got shape {tuple(t.shape)}")
+        check_contiguous(name, t)
+    check_same_device(logits=logits, **{name: spec[0] for name, spec in per_row.items()})
+    if not (isinstance(eos_id, int) and 0 <= eos_id < vocab):
+        raise ValueError(f"eos_id must be an int in [0, {vocab}), got {eos_id}")
