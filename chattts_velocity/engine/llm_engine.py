@@ -126,8 +126,8 @@ class LLMEngine:
         if plan.num_steps > 1:
             sampled = [item.seq for item in plan.scheduled]
             tokens, hidden = self.worker.decode_window(sampled, plan.num_steps)
-            for i, seq in enumerate(sampled):
-                self._accept(seq, tokens[i], hidden[:, i])
+            for seq, seq_tokens, seq_hidden in zip(sampled, tokens, hidden.unbind(1), strict=True):
+                self._accept(seq, seq_tokens, seq_hidden)
         else:
             result = self.worker.execute(plan.scheduled)
             for item in plan.scheduled:  # the last token of a sampling sequence is counted by _accept
@@ -145,17 +145,14 @@ class LLMEngine:
     def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:
         """Append sampled tokens until EOS or the length limit; every accepted step computed one more token."""
         eos = self.text_eos_id if seq.text_mode else self.model_config.eos_code
-        reason, taken = None, 0
-        for token in tokens:
-            seq.num_computed_tokens += 1
-            if eos in token:  # any codebook; a text token repeats its id over the codebooks
-                reason = FinishReason.EOS
-                break
-            seq.append(token)
-            taken += 1
-            if len(seq) >= seq.max_tokens:
-                reason = FinishReason.LENGTH
-                break
+        # any codebook's EOS ends it (a text token repeats its id over the codebooks)
+        ends = next((i for i, token in enumerate(tokens) if eos in token), len(tokens))
+        room = seq.max_tokens - len(seq)
+        hit_eos = ends < min(len(tokens), room)  # an EOS past the length limit is never seen
+        taken = ends if hit_eos else min(len(tokens), room)
+        seq.num_computed_tokens += taken + hit_eos  # the EOS step computed a token too
+        seq.extend(tokens[:taken])
+        reason = FinishReason.EOS if hit_eos else FinishReason.LENGTH if taken == room else None
         if taken and seq.params.return_hidden_states:
             seq.hidden_chunks.append(hidden[:taken])
         self.block_manager.cache_full_blocks(seq)

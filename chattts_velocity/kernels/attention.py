@@ -76,18 +76,22 @@ def paged_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
     batch, num_heads, _ = q.shape
     if batch == 0:
         return torch.empty_like(q)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    longest = max(int(context_lens.max()), 1)
-    t = torch.arange(longest, device=q.device)  # [T]
-    table = block_tables[:, : -(-longest // block_size)].long().clamp(min=0)  # unused entries may be -1
-    slots = table.gather(1, (t // block_size)[None].expand(batch, -1)) * block_size + t % block_size  # [B, T]
+    slots, visible = _decode_slots(block_tables, context_lens, k_cache.shape[1])  # [B, T] each
     k, v = (_repeat_heads(c.flatten(0, 1)[slots], num_heads) for c in (k_cache, v_cache))  # [B, T, Hq, D]
     # matmuls over [B, Hq] rather than einsum: this runs every layer of every CPU decode step
     scores = torch.matmul(q.float()[:, :, None, :], k.permute(0, 2, 3, 1))[:, :, 0] * scale  # [B, Hq, T]
-    visible = t[None, :] < context_lens[:, None].long()  # [B, T]
     probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
     out = torch.matmul(probs.nan_to_num(0.0)[:, :, None, :], v.transpose(1, 2))[:, :, 0]  # empty context: zeros
     return out.to(q.dtype)
+
+
+def _decode_slots(block_tables: Tensor, context_lens: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Cache slots [B, T] of every sequence's first T = max(context_lens) tokens, and which are in context."""
+    batch, longest = block_tables.shape[0], max(int(context_lens.max()), 1)
+    t = torch.arange(longest, device=block_tables.device)  # [T]
+    table = block_tables[:, : -(-longest // block_size)].long().clamp(min=0)  # unused entries may be -1
+    slots = table.gather(1, (t // block_size)[None].expand(batch, -1)) * block_size + t % block_size
+    return slots, t[None, :] < context_lens[:, None].long()
 
 
 def paged_prefill_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,

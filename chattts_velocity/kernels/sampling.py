@@ -10,6 +10,7 @@ order and repeated-multiply penalty power differ from torch's by an ulp).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -76,17 +77,20 @@ def _penalise(logits: Tensor, history: Tensor, window: Tensor, penalty: Tensor) 
 
 
 def _top_p_top_k(logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
-    """Top-p then top-k (each keeps at least 3) from one ascending sort. Top-p keeps a suffix of the sorted
-    row, so the k-th largest kept logit is the k-th largest overall whenever top-k still removes anything."""
+    """Top-p then top-k (each keeps at least 3) as one threshold from an ascending sort of the values: top-p
+    drops the prefix whose probabilities sum to at most 1 - top_p, top-k everything below the k-th largest,
+    so a logit survives iff it is >= the larger of the two cut values (ties at a cut all survive, as in the
+    Triton kernel)."""
     vocab = logits.size(1)
-    sorted_logits, order = torch.sort(logits, descending=False)
+    if logits.is_cuda:
+        sorted_logits = torch.sort(logits).values
+    else:  # numpy's sort: torch.sort took ~1 ms for 32 rows of 626 on a 2-core CPU, numpy ~0.08 ms
+        sorted_logits = torch.from_numpy(np.sort(logits.numpy(), axis=1))
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop_sorted = cum <= (1 - top_p)
-    drop_sorted[:, -MIN_TOKENS_TO_KEEP:] = False
-    drop = drop_sorted.scatter(1, order, drop_sorted)
+    dropped = (cum <= (1 - top_p)).sum(dim=-1, keepdim=True).clamp(max=vocab - MIN_TOKENS_TO_KEEP)  # [R, 1]
     k = top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=vocab)
-    kth = sorted_logits.gather(1, (vocab - k)[:, None])  # [R, 1]
-    return logits.masked_fill(drop | (logits < kth), -float("inf"))
+    cut = sorted_logits.gather(1, torch.maximum(dropped, (vocab - k)[:, None]))  # [R, 1]
+    return logits.masked_fill(logits < cut, -float("inf"))
 
 
 def _check(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor, history: Tensor,
