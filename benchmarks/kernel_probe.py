@@ -1,7 +1,9 @@
-"""GPU probe: the fused decode linears vs cuBLAS at the GPT's shapes, decode attention bandwidth by split count, and the
-wav decode at fp32 / TF32 / bf16. Each timing replays a CUDA graph of 20 launches over 20 distinct operands
-(like 20 layers, so nothing stays in L2); medians of 30 replays."""
+"""GPU probe at the GPT's shapes (``--parts fused attention attention_sweep audio``): the fused decode linears
+vs the unfused ops (cuBLAS), decode attention by split count and by tile/warps, and the wav decode in fp32 /
+TF32 / bf16 / fp16. Each kernel timing replays a CUDA graph of 20 launches over 20 distinct operands (like 20
+layers, so nothing stays in L2); medians of 30 replays."""
 
+# ruff: noqa: B023 (every closure below runs, and is captured into a CUDA graph, before its loop moves on)
 from __future__ import annotations
 
 import argparse
@@ -95,8 +97,9 @@ def attention_probe(dtype) -> None:
             table = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
             table[:, :nblk_seq] = perm
             for splits in (None, 1, 2, 4, 8, 16, 32):
-                fn = lambda: [kernels.paged_decode_attention(q, kc, vc, table, lens, 0.125, num_splits=splits)
-                              for kc, vc in caches]
+                def fn():
+                    return [kernels.paged_decode_attention(q, kc, vc, table, lens, 0.125, num_splits=splits)
+                            for kc, vc in caches]
                 us = graph_time(fn) / 20 * 1e3
                 print(f"b={batch:4d} ctx={ctx} width={width * bs:5d} splits={splits!s:5s} {us:7.2f} us "
                       f"{bytes_ / us / 1e3:7.1f} GB/s")

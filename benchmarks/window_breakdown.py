@@ -1,0 +1,61 @@
+"""Where a decode window's wall time goes (full-size random weights, float16, CUDA graphs): one 32-step
+``engine.step`` against the same window's graph replays alone, timed with CUDA events.
+
+The engine is discarded after its batch is measured: the bare replays advance the device state past what the
+scheduler reserved, so their KV writes are not meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from chattts_velocity.engine import EngineConfig, LLMEngine, Prompt, SamplingParams
+from chattts_velocity.model.loader import ModelLoader
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--context", type=int, default=31, help="tokens per sequence before the measured window")
+    args = ap.parse_args()
+    model = ModelLoader(torch.device("cuda"), "dummy").load(None)
+    prompt = Prompt(torch.randint(0, 20000, (30, 1)).expand(-1, 4), torch.ones(30, dtype=torch.bool))
+    for b in args.batch:
+        engine = LLMEngine.from_model(model, EngineConfig(dtype="float16", max_num_seqs=b, kv_cache_gib=8,
+                                                          max_num_batched_tokens=8192), "cuda")
+        dec, window = engine.worker.decoder, engine.config.num_decode_steps
+        params = SamplingParams(temperature=(0.3,), top_p=0.7, top_k=20, repetition_penalty=1.05,
+                                min_new_tokens=args.context + 4 * window, max_new_tokens=args.context + 4 * window)
+        for i in range(b):
+            engine.add_request(f"{b}-{i}", prompt, params)
+        while min(len(g.seq) for g in engine.requests.values()) < args.context:
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - t0) * 1e3
+
+        seqs = [g.seq for g in engine.requests.values()]
+        bucket = dec._bucket(len(seqs))
+        t0 = time.perf_counter()
+        dec._load(seqs, bucket)
+        torch.cuda.synchronize()
+        load_ms = (time.perf_counter() - t0) * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(window):
+            dec.graphs[bucket].replay()
+        end.record()
+        end.synchronize()
+        gpu_ms = start.elapsed_time(end)
+        print(f"batch {b}: engine.step of {window} steps {step_ms:.2f} ms ({step_ms / window:.3f}/step); "
+              f"graph replays alone {gpu_ms:.2f} ms ({gpu_ms / window:.3f}/step); loading the window's inputs "
+              f"{load_ms:.2f} ms; the rest is host work", flush=True)
+
+
+if __name__ == "__main__":
+    main()
