@@ -8,27 +8,23 @@ model's shapes (``-m gpu``). bfloat16 is GPU-only: the interpreter rounds it dif
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreter import report, run_interpreter_main
 
 from chattts_velocity import kernels as K
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 TOLERANCES = {  # dtype -> (atol, rtol): about two ulps of the output dtype
     torch.float32: (1e-5, 1e-5),
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (1.6e-2, 1.6e-2),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-RESULT_PREFIX = "KERNEL_RESULTS "
 
 
 # ---------------------------------------------------------------------------------------------- input helpers
@@ -365,21 +361,13 @@ def interpreter_main() -> None:
         except Exception as e:  # reported per case by the parent test
             results[str(case)] = f"{type(e).__name__}: {e}"
     modules = sorted(m for m in sys.modules if m.startswith("chattts_velocity.kernels._triton."))
-    print(RESULT_PREFIX + json.dumps({"cases": results, "triton_modules": modules}))
+    report({"cases": results, "triton_modules": modules})
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    code = "import test_kernels; test_kernels.interpreter_main()"  # cwd is tests/
-    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    output = proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{output}"
-    return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+    return run_interpreter_main("test_kernels")
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=str)

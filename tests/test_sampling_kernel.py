@@ -9,22 +9,18 @@ float logits, so every row must draw the same id.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreter import report, run_interpreter_main
 from torch import Tensor
 
 from chattts_velocity.kernels.sample import U_MAX, counter_uniform
 from chattts_velocity.kernels.sampling import process_rows, sample_rows_fused, sample_rows_fused_ref
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-RESULT_PREFIX = "SAMPLING_RESULTS "
 EOS = 5
 EDGE = (7, 28504, 0, 95)
 """(seed, step, lane, id) whose uniform is clamped to U_MAX: E is tiny, so the id must stay filtered out."""
@@ -86,20 +82,13 @@ def interpreter_main() -> None:
         args = make_rows(rows, vocab, 8, seed=vocab)
         results[vocab] = {"kernel": sample_rows_fused(**args).tolist(), "ref": sample_rows_fused_ref(**args).tolist()}
     ran = "chattts_velocity.kernels._triton.sampling" in sys.modules
-    print(RESULT_PREFIX + json.dumps({"ids": results, "ran_triton": ran}))
+    report({"ids": results, "ran_triton": ran})
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    code = "import test_sampling_kernel as t; t.interpreter_main()"  # cwd is tests/
-    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-    results = json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+    results = run_interpreter_main("test_sampling_kernel")
     assert results["ran_triton"], "the kernel never ran on Triton"
     return results["ids"]
 
