@@ -207,6 +207,38 @@ def test_seeded_output_is_batch_invariant(chat, make_engine, workload):
     assert wavs[0].size > 0 and np.array_equal(wavs[0], wavs[1]) and np.array_equal(wavs[0], wavs[2])
 
 
+def test_pipelined_decode_windows_match_single_steps(chat, make_engine):
+    """Windows queued behind the previous one (before its tokens are read) give the tokens and hidden states
+    of one-step scheduling, through EOS endings, length limits and a request arriving mid-run."""
+    texts = [f"pipelined request {i}" for i in range(4)]
+    ps = [sampled(50 + i, min_new_tokens=3, max_new_tokens=20 + 9 * i) for i in range(4)]
+    ps[1] = sampled(51, min_new_tokens=23, max_new_tokens=23)  # ends by its length limit
+
+    def generate(window: int) -> tuple[list, int]:
+        engine = make_engine(num_decode_steps=window)
+        launches = []
+        original = engine.worker.launch_window
+        engine.worker.launch_window = lambda seqs, k, continuing=False: (launches.append(continuing),
+                                                                          original(seqs, k, continuing))[1]
+        for i in range(3):
+            engine.add_request(f"r{i}", code_prompt(chat, texts[i]), ps[i])
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            if steps == 4:  # arrives while a window is in flight
+                engine.add_request("r3", code_prompt(chat, texts[3]), ps[3])
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return [done[f"r{i}"] for i in range(4)], sum(launches)
+
+    single, _ = generate(1)
+    piped, continued = generate(4)
+    assert continued >= 3, "some windows must have been queued behind the previous one"
+    assert {out.finish_reason for out in single} == {FinishReason.EOS, FinishReason.LENGTH}
+    for a, b in zip(single, piped, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids) and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-5, rtol=1e-5)
+
+
 def test_different_seeds_give_different_audio_and_unseeded_uses_fresh_seeds(chat, make_engine):
     target = code_prompt(chat, "seeds matter")
     a, b = run(make_engine(), [target, target], [sampled(1, min_new_tokens=20), sampled(2, min_new_tokens=20)])

@@ -27,6 +27,17 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512
 
 
 @dataclass
+class Window:
+    """A queued decode window of ``seqs``: ``MultiStepDecoder.collect`` waits for its tokens."""
+
+    seqs: list[Sequence]
+    num_steps: int
+    hidden: Tensor  # [K, n, H] on the device
+    tokens: Tensor  # [K_max, B_max, Q] int64 host buffer the window's tokens are copied into
+    done: torch.cuda.Event | None  # recorded after that copy (CUDA); None on CPU, where launch is synchronous
+
+
+@dataclass
 class _State:
     """Static device buffers of the step (graph inputs and outputs), sized for the largest bucket."""
 
@@ -52,6 +63,10 @@ class MultiStepDecoder:
         self.device = device
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.state = self._allocate(max_batch, gpt.config.hidden_size)
+        pinned = device.type == "cuda"
+        self._host_tokens = [torch.zeros(max_steps, max_batch, self.num_vq, dtype=torch.int64, pin_memory=pinned)
+                             for _ in range(2)]
+        self._next_host = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if use_cuda_graph:
             self._capture_all()
@@ -116,29 +131,47 @@ class MultiStepDecoder:
 
     # ---------------------------------------------------------------- a window of steps
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_steps: int) -> tuple[list[list[tuple[int, ...]]], Tensor]:
-        """Decode ``num_steps`` tokens of every sequence (each's newest token is its only uncomputed one).
-        Returns tokens[i][j] (sequence i, step j) and hidden states [num_steps, len(seqs), H] on the device."""
+    def launch(self, seqs: list[Sequence], num_steps: int, continuing: bool = False) -> Window:
+        """Queue ``num_steps`` decode steps of every sequence (each's newest token is its only uncomputed one)
+        and return at once; ``collect`` waits for the tokens. ``continuing``: the same batch right after its
+        previous window, whose device state (tokens, positions, penalty history, step counters) already holds
+        this window's inputs; only the block tables are refreshed, so the window can be queued before the host
+        has read the previous one's tokens."""
         assert 1 <= num_steps <= self.max_steps and len(seqs) <= self.buckets[-1]
-        b = self._bucket(len(seqs))
-        self._load(seqs, b)
+        b, n = self._bucket(len(seqs)), len(seqs)
+        if continuing:
+            self._load_tables(seqs, b)
+            self.state.step_out.zero_()
+        else:
+            self._load(seqs, b)
         graph = self.graphs.get(b)
         for _ in range(num_steps):
             graph.replay() if graph is not None else self._step(b)
-        n = len(seqs)
         hidden = self.state.out_hidden[:num_steps, :n].clone()  # the buffer is reused by the next window
-        tokens = self.state.out_tokens[:num_steps, :n].permute(1, 0, 2).tolist()  # the one sync of the window
-        return [[tuple(t) for t in row] for row in tokens], hidden
+        host = self._host_tokens[self._next_host]
+        self._next_host ^= 1  # two host buffers: one window in flight while the previous one is read
+        host[:num_steps, :n].copy_(self.state.out_tokens[:num_steps, :n], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Window(seqs, num_steps, hidden, host, done)
+
+    def collect(self, window: Window) -> list[list[tuple[int, ...]]]:
+        """Wait for ``window``; tokens[i][j] of sequence i at step j."""
+        if window.done is not None:
+            window.done.synchronize()
+        tokens = window.tokens[: window.num_steps, : len(window.seqs)].permute(1, 0, 2).tolist()
+        return [[tuple(t) for t in row] for row in tokens]
 
     def _load(self, seqs: list[Sequence], b: int) -> None:
         """Copy the batch's state into the static buffers; padding rows write nothing and are ignored."""
         s, q = self.state, self.num_vq
-        tokens, positions, limits, tables = [], [], [], []
+        tokens, positions, limits = [], [], []
         for seq in seqs:
             tokens.append(seq.tokens[-1])
             positions.append(len(seq) - 1)
             limits.append(seq.max_tokens - 1)
-            tables.append(seq.block_table)
         pad = b - len(seqs)
         tokens += [(0,) * q] * pad
         positions += [0] * pad
@@ -146,12 +179,16 @@ class MultiStepDecoder:
         s.tokens[:b].copy_(torch.tensor(tokens), non_blocking=True)
         s.positions[:b].copy_(torch.tensor(positions), non_blocking=True)
         s.limit[:b].copy_(torch.tensor(limits), non_blocking=True)
-        table = np.zeros((b, s.block_tables.size(1)), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        s.block_tables[:b].copy_(torch.from_numpy(table), non_blocking=True)
+        self._load_tables(seqs, b)
         self._load_params(seqs, b)
         s.step_out.zero_()
+
+    def _load_tables(self, seqs: list[Sequence], b: int) -> None:
+        table = np.zeros((b, self.state.block_tables.size(1)), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            table[i, : len(seq.block_table)] = seq.block_table
+        # a pageable source: the copy is staged before this returns, so ``table`` may go
+        self.state.block_tables[:b].copy_(torch.from_numpy(table), non_blocking=True)
 
     def _load_params(self, seqs: list[Sequence], b: int) -> None:
         p, rows = self.state.params, b * self.num_vq

@@ -12,6 +12,7 @@ import torch
 
 from .block_manager import BlockSpaceManager
 from .config import EngineConfig
+from .decode import Window
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence, SequenceGroup
@@ -31,6 +32,8 @@ class LLMEngine:
                                    config.num_decode_steps)
         self.requests: dict[str, SequenceGroup] = {}
         self._aborted: list[RequestOutput] = []
+        self._window: Window | None = None
+        """A decode window queued on the device whose tokens the next ``step`` reads."""
         self._ids = itertools.count()
 
     @classmethod
@@ -118,16 +121,26 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
-        """Run one batch; report every request that sampled a token, finished or was aborted since."""
+        """Run one batch; report every request that sampled a token, finished or was aborted since.
+
+        Audio decode windows are pipelined: while the batch stays the same (nobody waiting, nobody finished),
+        the next window is queued on the device before this one's tokens are read back and processed, so the
+        host work overlaps the device's."""
         outputs, self._aborted = self._aborted, []
-        plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            return outputs
-        if plan.num_steps > 1:
-            sampled = [item.seq for item in plan.scheduled]
-            tokens, hidden = self.worker.decode_window(sampled, plan.num_steps)
-            for seq, seq_tokens, seq_hidden in zip(sampled, tokens, hidden.unbind(1), strict=True):
-                self._accept(seq, seq_tokens, seq_hidden)
+        window, self._window = self._window, None
+        if window is None:
+            plan = self.scheduler.schedule()
+            if not plan.scheduled:
+                return outputs
+            if plan.num_steps > 1:
+                window = self.worker.launch_window([item.seq for item in plan.scheduled], plan.num_steps)
+        if window is not None:
+            self._window = self._continue(window)
+            tokens = self.worker.collect_window(window)
+            sampled = [seq for seq in window.seqs if not seq.is_finished]  # not aborted while it ran
+            for seq, seq_tokens, seq_hidden in zip(window.seqs, tokens, window.hidden.unbind(1), strict=True):
+                if not seq.is_finished:
+                    self._accept(seq, seq_tokens, seq_hidden)
         else:
             result = self.worker.execute(plan.scheduled)
             for item in plan.scheduled:  # the last token of a sampling sequence is counted by _accept
@@ -141,6 +154,29 @@ class LLMEngine:
             if seq.is_finished:
                 del self.requests[seq.request_id]
         return outputs
+
+    def _continue(self, window: Window) -> Window | None:
+        """Queue the same batch's next window behind ``window`` if nothing can change the batch before it: no
+        request waiting, every sequence still running and none reaching its length limit inside ``window``, and
+        free blocks for everyone's next window (counted past ``window``'s tokens, which are not appended yet).
+        A sequence that ends by EOS inside ``window`` computes the queued window in vain; its tokens are
+        dropped and the pipeline stops there."""
+        sched, bm, k = self.scheduler, self.block_manager, self.config.num_decode_steps
+        if sched.waiting or len(sched.running) != len(window.seqs):
+            return None
+        ahead = window.num_steps
+        wanted = []
+        for seq in window.seqs:
+            if seq.is_finished or len(seq) + ahead >= seq.max_tokens:
+                return None
+            wanted.append(ahead + min(k, seq.max_tokens - len(seq) - ahead))
+        needed = sum(max(bm.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table), 0)
+                     for seq, n in zip(window.seqs, wanted, strict=True))
+        if needed > bm.num_free_blocks:
+            return None
+        for seq, n in zip(window.seqs, wanted, strict=True):
+            bm.allocate(seq, n)
+        return self.worker.launch_window(window.seqs, k, continuing=True)
 
     def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:
         """Append sampled tokens until EOS or the length limit; every accepted step computed one more token."""

@@ -9,7 +9,7 @@ import torch
 
 from ..model.llama import LlamaCore
 from .config import EngineConfig
-from .decode import MultiStepDecoder
+from .decode import MultiStepDecoder, Window
 from .model_runner import ModelRunner, StepResult
 from .sampler import Sampler
 from .scheduler import ScheduledSeq
@@ -72,6 +72,10 @@ class Worker:
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
         return self.runner.execute(scheduled)
 
-    def decode_window(self, seqs: list[Sequence], num_steps: int):
-        """``num_steps`` decode steps of audio sequences: tokens[i][j] and hidden states [num_steps, n, H]."""
-        return self.decoder.run(seqs, num_steps)
+    def launch_window(self, seqs: list[Sequence], num_steps: int, continuing: bool = False) -> Window:
+        """Queue ``num_steps`` decode steps of audio sequences (``MultiStepDecoder.launch``)."""
+        return self.decoder.launch(seqs, num_steps, continuing)
+
+    def collect_window(self, window: Window) -> list[list[tuple[int, ...]]]:
+        """Wait for a launched window: tokens[i][j] of sequence i at step j (hidden states: ``window.hidden``)."""
+        return self.decoder.collect(window)
