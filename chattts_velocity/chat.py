@@ -202,23 +202,24 @@ class Chat:
                 self.logger.info("infer split %d~%d", start, start + len(batch))
             results = self._infer_code(batch, stream, params, velocity)
             if stream:
-                yield from self._stream_chunks(results, use_decoder, params)
+                yield from self._stream_chunks(results, use_decoder, params, velocity)
             else:
                 for res in results:
                     yield self._wavs(res, use_decoder, velocity)
 
     def _wavs(self, res: GenerationOutput, use_decoder: bool, velocity: bool) -> list[np.ndarray]:
-        """Velocity: every sequence decoded at its own length. Reference: one zero-padded batch, as upstream."""
+        """Velocity: every sequence decoded at its own length, TF32 on CUDA. Reference: one zero-padded batch
+        at torch's default precision, as upstream (whose silence stripping reacts to the last bit)."""
         seqs = res.hiddens if use_decoder else res.ids
         if velocity:
             return self.audio.to_wav_list(seqs, use_decoder)
-        return list(self.audio.to_wavs(seqs, use_decoder))
+        return list(self.audio.to_wavs(seqs, use_decoder, tf32=False))
 
-    def _stream_chunks(self, results: Iterator[GenerationOutput], use_decoder: bool,
-                       params: InferCodeParams) -> Iterator[np.ndarray]:
+    def _stream_chunks(self, results: Iterator[GenerationOutput], use_decoder: bool, params: InferCodeParams,
+                       velocity: bool) -> Iterator[np.ndarray]:
         length, seen, wavs = 0, 0, None
         for res in results:
-            wavs = self.audio.to_wavs(res.hiddens if use_decoder else res.ids, use_decoder)
+            wavs = self.audio.to_wavs(res.hiddens if use_decoder else res.ids, use_decoder, tf32=velocity)
             seen += 1
             if seen <= params.pass_first_n_batches:
                 continue

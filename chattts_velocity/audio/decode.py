@@ -31,19 +31,20 @@ class AudioDecoder:
         self.tf32 = tf32
 
     @torch.inference_mode()
-    def to_wavs(self, results: list[Tensor], use_decoder: bool) -> np.ndarray:
+    def to_wavs(self, results: list[Tensor], use_decoder: bool, tf32: bool | None = None) -> np.ndarray:
         """Per-sequence [T_i, C] tensors (hidden states [T_i, H] if ``use_decoder``, else codes [T_i, G*R]) ->
-        float32 wavs [B, S], all as long as the longest (shorter ones decode their zero padding too)."""
+        float32 wavs [B, S], all as long as the longest (shorter ones decode their zero padding too).
+        ``tf32`` overrides the decoder's setting for this call."""
         if not results:
             return np.array([], dtype=np.float32)
         batch = self._pad(results)  # [B, C, T]
-        with self._precision():
+        with self._precision(self.tf32 if tf32 is None else tf32):
             mel = (self.decoder if use_decoder else self.dvae).decode(batch)  # [B, n_mels, 2T]
             vocos_device = next(self.vocos.parameters()).device
             wav = self.vocos.decode(mel.to(vocos_device))
         return wav.float().cpu().numpy()  # [B, S]
 
-    def to_wav_list(self, results: list[Tensor], use_decoder: bool) -> list[np.ndarray]:
+    def to_wav_list(self, results: list[Tensor], use_decoder: bool, tf32: bool | None = None) -> list[np.ndarray]:
         """Like ``to_wavs``, but every sequence is decoded at its own length (no padding reaches its audio);
         sequences of equal length share one batch."""
         wavs: list[np.ndarray | None] = [None] * len(results)
@@ -55,7 +56,7 @@ class AudioDecoder:
                 for i in idx:
                     wavs[i] = np.zeros(0, dtype=np.float32)
                 continue
-            for i, wav in zip(idx, self.to_wavs([results[i] for i in idx], use_decoder), strict=True):
+            for i, wav in zip(idx, self.to_wavs([results[i] for i in idx], use_decoder, tf32), strict=True):
                 wavs[i] = wav
         return wavs
 
@@ -71,8 +72,8 @@ class AudioDecoder:
         return self.dvae.encode(wav.to(self.device))
 
     @contextlib.contextmanager
-    def _precision(self) -> Iterator[None]:
-        if not (self.tf32 and self.device.type == "cuda"):
+    def _precision(self, tf32: bool) -> Iterator[None]:
+        if not (tf32 and self.device.type == "cuda"):
             yield
             return
         matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv

@@ -144,15 +144,16 @@ def time_audio(
     decoder: AudioDecoder, hiddens: list[Tensor], decode_batch: int, padded: bool, clock: Clock
 ) -> AudioTiming:
     """Decode every sequence to a wav, ``decode_batch`` at a time, and the first request's first chunk alone.
-    ``padded``: the reference path's one padded batch per call (``to_wavs``), else per length
-    (``to_wav_list``)."""
+    ``padded``: the reference path's decode, as ``use_velocity=False`` runs it (one padded batch per call,
+    torch's default precision); else the velocity path's (per length, TF32 on CUDA)."""
     decode = decoder.to_wavs if padded else decoder.to_wav_list
+    tf32 = not padded
     with torch.inference_mode():
         start = clock.now()
         for i in range(0, len(hiddens), decode_batch):
-            decode(hiddens[i : i + decode_batch], True)
+            decode(hiddens[i : i + decode_batch], True, tf32)
         decode_s = clock.now() - start
         start = clock.now()
-        decode([hiddens[0][:TTFA_TOKENS]], True)
+        decode([hiddens[0][:TTFA_TOKENS]], True, tf32)
         prefix_decode_s = clock.now() - start
     return AudioTiming(decode_s=decode_s, prefix_decode_s=prefix_decode_s)
