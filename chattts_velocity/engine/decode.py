@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -63,9 +62,14 @@ class MultiStepDecoder:
         self.device = device
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.state = self._allocate(max_batch, gpt.config.hidden_size)
+        # Pinned host buffers, two of each (one window in flight while the previous one is read): tokens come
+        # back through them, block tables go out. A copy from pageable memory would make torch wait for the
+        # stream, i.e. for the window in flight, which would undo the pipelining.
         pinned = device.type == "cuda"
+        width = -(-max_model_len // block_size)
         self._host_tokens = [torch.zeros(max_steps, max_batch, self.num_vq, dtype=torch.int64, pin_memory=pinned)
                              for _ in range(2)]
+        self._host_tables = [torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._next_host = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if use_cuda_graph:
@@ -184,11 +188,12 @@ class MultiStepDecoder:
         s.step_out.zero_()
 
     def _load_tables(self, seqs: list[Sequence], b: int) -> None:
-        table = np.zeros((b, self.state.block_tables.size(1)), dtype=np.int32)
+        host = self._host_tables[self._next_host]  # free: its last copy ran before the window just read
+        table = host.numpy()
+        table[:b] = 0
         for i, seq in enumerate(seqs):
             table[i, : len(seq.block_table)] = seq.block_table
-        # a pageable source: the copy is staged before this returns, so ``table`` may go
-        self.state.block_tables[:b].copy_(torch.from_numpy(table), non_blocking=True)
+        self.state.block_tables[:b].copy_(host[:b], non_blocking=True)
 
     def _load_params(self, seqs: list[Sequence], b: int) -> None:
         p, rows = self.state.params, b * self.num_vq
