@@ -215,7 +215,7 @@ def test_pipelined_decode_windows_match_single_steps(chat, make_engine):
     ps[1] = sampled(51, min_new_tokens=23, max_new_tokens=23)  # ends by its length limit
 
     def generate(window: int) -> tuple[list, int]:
-        engine = make_engine(num_decode_steps=window)
+        engine = make_engine(num_decode_steps=window, pipeline_decode=True)  # off by default on CPU
         launches = []
         original = engine.worker.launch_window
         engine.worker.launch_window = lambda seqs, k, continuing=False: (launches.append(continuing),
@@ -279,7 +279,7 @@ def test_step_reports_each_new_token_incrementally(chat, make_engine, window):
 
 @pytest.mark.parametrize("window", [1, 8])
 def test_abort_mid_generation_frees_every_block(chat, make_engine, window):
-    engine = make_engine(block_size=4, num_decode_steps=window)
+    engine = make_engine(block_size=4, num_decode_steps=window, pipeline_decode=window > 1)  # aborts in flight
     bm = engine.block_manager
     for i in range(3):
         engine.add_request(f"a{i}", code_prompt(chat, f"abort me {i}"), params(min_new_tokens=50, max_new_tokens=50))

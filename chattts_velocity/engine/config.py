@@ -33,8 +33,11 @@ class EngineConfig:
     num_decode_steps: int = 32
     """Decode steps per scheduler call when the batch is all audio decodes (the device updates the inputs
     between them); 1 schedules every step. A finished sequence may compute up to this many unused steps, and
-    a new request waits for the running window. The host work between windows grows with the batch (about
-    20 ms at 256 sequences), so longer windows pay off for large batches."""
+    a new request waits for the running window (two with ``pipeline_decode``)."""
+    pipeline_decode: bool | None = None
+    """Queue the next decode window before reading the current one's tokens while the batch cannot change, so
+    host work overlaps the device's. None: on CUDA only (on CPU the window runs inside the launch, so it would
+    only delay each report by a window)."""
     enforce_eager: bool = False
     """Never use CUDA graphs (they are used on CUDA for the multi-step decode otherwise)."""
 

@@ -32,6 +32,8 @@ class LLMEngine:
                                    config.num_decode_steps)
         self.requests: dict[str, SequenceGroup] = {}
         self._aborted: list[RequestOutput] = []
+        pipeline = config.pipeline_decode
+        self._pipeline = self.worker.device.type == "cuda" if pipeline is None else pipeline
         self._window: Window | None = None
         """A decode window queued on the device whose tokens the next ``step`` reads."""
         self._ids = itertools.count()
@@ -162,7 +164,7 @@ class LLMEngine:
         A sequence that ends by EOS inside ``window`` computes the queued window in vain; its tokens are
         dropped and the pipeline stops there."""
         sched, bm, k = self.scheduler, self.block_manager, self.config.num_decode_steps
-        if sched.waiting or len(sched.running) != len(window.seqs):
+        if not self._pipeline or sched.waiting or len(sched.running) != len(window.seqs):
             return None
         ahead = window.num_steps
         wanted = []
