@@ -1,7 +1,9 @@
 """``MultiStepDecoder``: several decode steps of a code-mode batch per scheduler call, with no host work
 between them: the next step's inputs (tokens, positions, cache slots, penalty window, step counters) are
 updated on the device, every step's tokens and hidden states land in device buffers, and the host reads the
-tokens once at the end. On CUDA each batch-size bucket's step is captured as a CUDA graph and replayed.
+tokens once per window. On CUDA each batch-size bucket's step is captured as a CUDA graph and replayed.
+``launch`` queues a window and returns; ``collect`` waits for its tokens, so the engine can queue the same
+batch's next window (``launch(..., continuing=True)``) before it reads the current one.
 
 A sequence that ends inside the window (EOS, its length limit) keeps computing until the window ends; the host
 drops those tokens, and the steps past its limit write no KV (their slot is -1).
