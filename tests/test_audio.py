@@ -128,6 +128,22 @@ def test_to_wavs_empty(ours):
     assert wavs.dtype == np.float32 and wavs.size == 0
 
 
+def test_tf32_applies_only_on_cuda_and_is_restored_even_on_error(ours):
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = matmul.fp32_precision, conv.fp32_precision
+    with ours._precision(True):  # a CPU decoder: nothing to change
+        assert (matmul.fp32_precision, conv.fp32_precision) == before
+    cuda = AudioDecoder(ours.dvae, ours.decoder, ours.vocos, "cpu")
+    cuda.device = torch.device("cuda")  # the flags are process-wide and settable without a GPU
+    with pytest.raises(RuntimeError, match="mid-decode"):
+        with cuda._precision(True):
+            assert matmul.fp32_precision == conv.fp32_precision == "tf32"
+            raise RuntimeError("mid-decode")
+    assert (matmul.fp32_precision, conv.fp32_precision) == before
+    with cuda._precision(False):  # the reference path's call
+        assert (matmul.fp32_precision, conv.fp32_precision) == before
+
+
 def _mangled(asset: str, tmp_path, file: str, edit) -> str:
     sd = load_file(os.path.join(asset, file))
     edit(sd)
