@@ -34,10 +34,10 @@ def test_decode_growth_allocates_a_block_only_at_a_block_boundary():
     seq = make_seq(3)
     compute(bm, seq, 3)
     assert seq.block_table == [0]
-    seq.append((7,) * 4, None)  # token 4 fits block 0
+    seq.extend([(7,) * 4])  # token 4 fits block 0
     compute(bm, seq, 1)
     assert seq.block_table == [0]
-    seq.append((8,) * 4, None)  # token 5 needs block 1
+    seq.extend([(8,) * 4])  # token 5 needs block 1
     assert bm.can_allocate(seq, 1)
     compute(bm, seq, 1)
     assert seq.block_table == [0, 1]

@@ -22,7 +22,7 @@ def run_step(sched: Scheduler, new_token: int = 7):
         item.seq.num_computed_tokens += item.num_new_tokens
         sched.block_manager.cache_full_blocks(item.seq)
         if samples:
-            item.seq.append((new_token,) * 4, None)
+            item.seq.extend([(new_token,) * 4])
     return out
 
 

@@ -139,9 +139,10 @@ class LLMEngine:
         if window is not None:
             self._window = self._continue(window)
             tokens = self.worker.collect_window(window)
-            sampled = [seq for seq in window.seqs if not seq.is_finished]  # not aborted while it ran
+            sampled = []
             for seq, seq_tokens, seq_hidden in zip(window.seqs, tokens, window.hidden.unbind(1), strict=True):
-                if not seq.is_finished:
+                if not seq.is_finished:  # not aborted while its window ran
+                    sampled.append(seq)
                     self._accept(seq, seq_tokens, seq_hidden)
         else:
             result = self.worker.execute(plan.scheduled)

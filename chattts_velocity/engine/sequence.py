@@ -93,13 +93,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append(self, token: Token, hidden: torch.Tensor | None = None) -> None:
-        """Add a generated token (and the [n=1, H] hidden state behind it)."""
-        self.tokens.append(token)
-        self.is_text.append(self.text_mode)
-        if hidden is not None:
-            self.hidden_chunks.append(hidden)
-
     def extend(self, tokens: list[Token]) -> None:
         """Add several generated tokens (their hidden states are kept by the caller)."""
         self.tokens.extend(tokens)

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from torch import Tensor
 
 from ._dispatch import FLOAT_DTYPES, check, check_contiguous, check_same_device, check_tensor, use_triton
-from .activation import silu_and_mul, silu_and_mul_ref
-from .norm import rms_norm, rms_norm_ref
+from .activation import silu_and_mul_ref
+from .norm import rms_norm_ref
 
 MAX_FUSED_ROWS = 16
 """Up to this many rows one Triton program reads each weight tile once for all rows (a small decode batch).
@@ -24,11 +24,17 @@ def fused_linear(x: Tensor, weight: Tensor, *, norm_weight: Tensor | None = None
     [M, I]. Returns y, or (y, r) when a residual is given. Every op rounds to x's dtype where the unfused
     ops do, so both agree up to float32 summation order."""
     _check(x, weight, norm_weight, residual, gated)
-    if use_triton(x) and x.shape[0] <= MAX_FUSED_ROWS:
+    if not use_triton(x):
+        return _unfused(x, weight, norm_weight, eps, residual, gated, rms_norm_ref, silu_and_mul_ref)
+    if x.shape[0] <= MAX_FUSED_ROWS:
         from ._triton.linear import fused_linear_triton
 
         return fused_linear_triton(x, weight, norm_weight, eps, residual, gated)
-    return _unfused(x, weight, norm_weight, eps, residual, gated, rms_norm, silu_and_mul)
+    # the unchecked kernels: _check covered their arguments (this runs in every layer)
+    from ._triton.activation import silu_and_mul_triton
+    from ._triton.norm import rms_norm_triton
+
+    return _unfused(x, weight, norm_weight, eps, residual, gated, rms_norm_triton, silu_and_mul_triton)
 
 
 def fused_linear_ref(x: Tensor, weight: Tensor, *, norm_weight: Tensor | None = None, eps: float = 1e-6,
@@ -42,10 +48,9 @@ def _unfused(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: float, 
              gated: bool, norm: Callable, gate: Callable) -> Tensor | tuple[Tensor, Tensor]:
     h, r = x, None
     if norm_weight is not None:
-        if residual is None:
-            h = norm(x, norm_weight, eps)
-        else:
-            h, r = norm(x, norm_weight, eps, residual)
+        h = norm(x, norm_weight, eps, residual)
+        if residual is not None:
+            h, r = h
     y = h @ weight.T  # [M, N]
     if gated:
         y = gate(y)

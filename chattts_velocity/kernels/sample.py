@@ -1,8 +1,8 @@
 """Seeded categorical sampling as an exponential race: ``argmax(p / E)`` with ``E = -log U`` and U a
 counter-based hash of (seed, step, lane, id), so a row's draw depends on nothing else in the batch.
 
-The reference builds the [R, V] uniforms with numpy; the Triton kernel does the whole race
-in one launch per step (measured at batch 1 on an H100 inside the decode CUDA graph: see the README).
+The reference builds the [R, V] uniforms with numpy; the Triton helpers (``_triton/sample.py``) compute the
+same bits, and the fused sampler (``sampling.py``) runs the race inside its one launch per step.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ order and repeated-multiply penalty power differ from torch's by an ulp).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -37,9 +39,7 @@ def sample_rows_fused(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k:
     if not use_triton(logits):
         return sample_rows_fused_ref(*args)
     if logits.size(1) > MAX_FUSED_VOCAB:
-        probs = torch.softmax(process_rows(logits, temperature, top_p, top_k, penalty, history, window, min_new,
-                                           step, eos_id), dim=-1)
-        return exponential_race(probs, seed, step, lane)
+        return _chain(*args, race=exponential_race)  # the torch chain, the Triton race
     from ._triton.sampling import sample_rows_triton
 
     return sample_rows_triton(*args)
@@ -49,8 +49,15 @@ def sample_rows_fused_ref(logits: Tensor, temperature: Tensor, top_p: Tensor, to
                           history: Tensor, window: Tensor, min_new: Tensor, seed: Tensor, step: Tensor,
                           lane: Tensor, eos_id: int) -> Tensor:
     """Torch reference of ``sample_rows_fused`` (the CPU path): the chain, softmax, the race."""
+    return _chain(logits, temperature, top_p, top_k, penalty, history, window, min_new, seed, step, lane, eos_id,
+                  race=exponential_race_ref)
+
+
+def _chain(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor, history: Tensor,
+           window: Tensor, min_new: Tensor, seed: Tensor, step: Tensor, lane: Tensor, eos_id: int,
+           race: Callable[..., Tensor]) -> Tensor:
     filtered = process_rows(logits, temperature, top_p, top_k, penalty, history, window, min_new, step, eos_id)
-    return exponential_race_ref(torch.softmax(filtered, dim=-1), seed, step, lane)
+    return race(torch.softmax(filtered, dim=-1), seed, step, lane)
 
 
 def process_rows(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor,

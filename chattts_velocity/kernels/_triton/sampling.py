@@ -3,7 +3,7 @@
 The row is padded to BLOCK (the vocabulary's next power of two) with -inf. Top-p keeps the ascending-sorted
 suffix whose softmax mass exceeds 1 - top_p plus the last KEEP entries, and top-k the logits >= the k-th
 largest, so both are a threshold on the logit: kept = logits >= max(top-p threshold, k-th largest), taken from
-one ``tl.sort`` of the row (equal to the reference's position-wise masks unless a logit ties a threshold).
+one ``tl.sort`` of the row, as the reference does from its sorted values.
 """
 
 from __future__ import annotations
