@@ -34,6 +34,10 @@ class EngineConfig:
     """Decode steps per scheduler call when the batch is all audio decodes (the device updates the inputs
     between them); 1 schedules every step. A finished sequence may compute up to this many unused steps, and
     a new request waits for the running window (two with ``pipeline_decode``)."""
+    first_window_tokens: int = 16
+    """A batch holding a sequence with fewer generated tokens than this runs a window that is just long enough
+    to bring it there, so a stream's first audio (``StreamConfig.first_chunk + lookahead`` tokens, 16 by
+    default) does not wait for a full window; 0 disables."""
     pipeline_decode: bool | None = None
     """Queue the next decode window before reading the current one's tokens while the batch cannot change, so
     host work overlaps the device's. None: on CUDA only (on CPU the window runs inside the launch, so it would
@@ -46,6 +50,8 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("num_decode_steps", self.num_decode_steps)
+        if not isinstance(self.first_window_tokens, int) or self.first_window_tokens < 0:
+            raise ValueError(f"first_window_tokens must be an int >= 0, got {self.first_window_tokens!r}")
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_gib is not None and not (isinstance(self.kv_cache_gib, (int, float)) and self.kv_cache_gib > 0):

@@ -1,12 +1,18 @@
 """``LLMEngine``: requests in, tokens out, one ``step`` at a time. Each step schedules a batch (decodes and
 prefill chunks of any mix of requests and parameters), runs it, samples, and reports every request that
-advanced, so streaming consumers follow each request incrementally."""
+advanced, so streaming consumers follow each request incrementally.
+
+A step that raises fails only the requests it concerns: a failing batch of one fails that request; a larger
+one is quarantined (see ``Scheduler.quarantine``) and re-run with one suspect per batch, so the request whose
+presence breaks steps is failed alone (its output carries the error) while the engine serves the rest."""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +23,28 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence, SequenceGroup
 from .worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load and totals (for metrics)."""
+
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    num_steps: int
+    """Scheduler calls that ran a batch."""
+    num_prompt_tokens: int
+    """Prompt tokens computed (prefix-cache hits and recomputation after preemption included)."""
+    num_generated_tokens: int
+    max_batch_size: int
+    """Most sequences computed together in one step so far."""
+    num_failed: int
+    """Requests failed by a step error."""
 
 
 class LLMEngine:
@@ -29,7 +57,7 @@ class LLMEngine:
         self.block_manager = BlockSpaceManager(self.worker.num_blocks, config.block_size, config.watermark,
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.num_decode_steps)
+                                   config.num_decode_steps, config.first_window_tokens)
         self.requests: dict[str, SequenceGroup] = {}
         self._aborted: list[RequestOutput] = []
         pipeline = config.pipeline_decode
@@ -37,6 +65,10 @@ class LLMEngine:
         self._window: Window | None = None
         """A decode window queued on the device whose tokens the next ``step`` reads."""
         self._ids = itertools.count()
+        self._batch: list[Sequence] = []
+        """The sequences of the step running now (those a failure concerns)."""
+        self._totals = dict(num_steps=0, num_prompt_tokens=0, num_generated_tokens=0, max_batch_size=0,
+                            num_failed=0)
 
     @classmethod
     def from_model(cls, model, config: EngineConfig | None = None, device: torch.device | str = "cpu") -> LLMEngine:
@@ -51,24 +83,34 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         """Queue a request; raises ``ValueError`` (and changes nothing) if it can never be served."""
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = self._new_sequence(request_id, prompt, params)
-        self.requests[request_id] = SequenceGroup(seq)
+        self.add_sequence(self.make_sequence(request_id, prompt, params))
+
+    def make_sequence(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Sequence:
+        """Validate a request (``ValueError`` says what to fix) and build its sequence, without queueing it.
+        Reads only fixed sizes, so any thread may call it while another steps the engine."""
+        tokens, is_text = self.validate_request(prompt, params)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return self._sequence(next(self._ids), request_id, tokens, is_text, prompt.speaker, params, seed)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence from ``make_sequence`` (on the thread that steps the engine)."""
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = SequenceGroup(seq)
         self.scheduler.add(seq)
 
-    def _new_sequence(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Sequence:
-        tokens, is_text = self.validate_request(prompt, params)
+    def _sequence(self, seq_id, request_id, tokens, is_text, speaker, params, seed) -> Sequence:
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        speaker = None if prompt.speaker is None else prompt.speaker.detach().to(torch.float32).cpu()
+        speaker = None if speaker is None else speaker.detach().to(torch.float32).cpu()
         speaker_key = b"" if speaker is None else hashlib.blake2b(speaker.numpy().tobytes(), digest_size=16).digest()
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
         max_tokens = min(len(tokens) + params.max_new_tokens, self.max_model_len, capacity)
-        return Sequence(next(self._ids), request_id, tokens, is_text, speaker, speaker_key, params, seed, max_tokens)
+        return Sequence(seq_id, request_id, tokens, is_text, speaker, speaker_key, params, seed, max_tokens)
 
     def num_cached_prompt_tokens(self, prompt: Prompt) -> int:
-        """How many leading tokens of ``prompt`` the prefix cache holds now (what admitting it would reuse)."""
-        seq = self._new_sequence("", prompt, SamplingParams())
+        """How many leading tokens of ``prompt`` the prefix cache holds now (what admitting it would reuse).
+        A pure query: it draws no id and no seed."""
+        tokens, is_text = self._check_prompt(prompt)
+        seq = self._sequence(-1, "", tokens, is_text, prompt.speaker, SamplingParams(), 0)
         return len(self.block_manager.lookup_prefix(seq)) * self.block_manager.block_size
 
     def validate_request(self, prompt: Prompt, params: SamplingParams) -> tuple[list[tuple[int, ...]], list[bool]]:
@@ -129,13 +171,31 @@ class LLMEngine:
         the next window is queued on the device before this one's tokens are read back and processed, so the
         host work overlaps the device's."""
         outputs, self._aborted = self._aborted, []
+        try:
+            sampled = self._run_step()
+        except Exception as err:  # noqa: BLE001 - any failure of a step is reported to its requests
+            return outputs + self._recover(err)
+        finally:
+            self._batch = []
+        for seq in sampled:
+            outputs.append(self._output(self.requests[seq.request_id]))
+            if seq.is_finished:
+                del self.requests[seq.request_id]
+        return outputs
+
+    def _run_step(self) -> list[Sequence]:
+        """Schedule and run one batch (or collect a window); the sequences that sampled tokens."""
         window, self._window = self._window, None
         if window is None:
             plan = self.scheduler.schedule()
+            self._batch = [item.seq for item in plan.scheduled]
             if not plan.scheduled:
-                return outputs
+                return []
+            self._count(plan)
             if plan.num_steps > 1:
-                window = self.worker.launch_window([item.seq for item in plan.scheduled], plan.num_steps)
+                window = self.worker.launch_window(self._batch, plan.num_steps)
+        else:
+            self._batch = list(window.seqs)
         if window is not None:
             self._window = self._continue(window)
             tokens = self.worker.collect_window(window)
@@ -144,19 +204,54 @@ class LLMEngine:
                 if not seq.is_finished:  # not aborted while its window ran
                     sampled.append(seq)
                     self._accept(seq, seq_tokens, seq_hidden)
-        else:
-            result = self.worker.execute(plan.scheduled)
-            for item in plan.scheduled:  # the last token of a sampling sequence is counted by _accept
-                item.seq.num_computed_tokens += item.num_new_tokens - item.samples
-                self.block_manager.cache_full_blocks(item.seq)
-            sampled = result.seqs
-            for i, seq in enumerate(sampled):
-                self._accept(seq, [result.tokens[i]], result.hidden[i : i + 1])
-        for seq in sampled:
-            outputs.append(self._output(self.requests[seq.request_id]))
-            if seq.is_finished:
-                del self.requests[seq.request_id]
+                    self.scheduler.clear(seq)
+            return sampled
+        result = self.worker.execute(plan.scheduled)
+        for item in plan.scheduled:  # the last token of a sampling sequence is counted by _accept
+            item.seq.num_computed_tokens += item.num_new_tokens - item.samples
+            self.block_manager.cache_full_blocks(item.seq)
+        for i, seq in enumerate(result.seqs):
+            self._accept(seq, [result.tokens[i]], result.hidden[i : i + 1])
+            # an audio sequence's usual step is a window (when windows are on): it stays a suspect until one ran
+            if seq.text_mode or self.scheduler.num_decode_steps == 1:
+                self.scheduler.clear(seq)
+        return result.seqs
+
+    def _count(self, plan) -> None:
+        t = self._totals
+        t["num_steps"] += 1
+        t["max_batch_size"] = max(t["max_batch_size"], len(plan.scheduled))
+        t["num_prompt_tokens"] += sum(item.num_new_tokens for item in plan.scheduled if item.seq.num_generated == 0)
+
+    def _recover(self, err: Exception) -> list[RequestOutput]:
+        """After a failed step: a batch of one, or the one suspect of a batch, is failed; the rest of a batch
+        with a suspect is recomputed; a batch without one is quarantined. Drops any window in flight."""
+        self._window = None
+        live = [seq for seq in self._batch if not seq.is_finished]
+        if not live:  # not a batch's failure (e.g. in the scheduler): nothing to isolate
+            raise err
+        suspects = [seq for seq in live if seq.seq_id in self.scheduler.suspects]
+        culprits = suspects if suspects else live if len(live) == 1 else []
+        logger.warning("a step of %d sequences failed (%r); %s", len(live), err,
+                       "failing request " + culprits[0].request_id if culprits else "isolating them")
+        others = [seq for seq in live if seq not in culprits]
+        self.scheduler.quarantine(others, suspect=not culprits)
+        outputs = []
+        for seq in culprits:
+            group = self.requests.pop(seq.request_id)
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            self._totals["num_failed"] += 1
+            out = self._output(group)
+            out.error = err
+            outputs.append(out)
         return outputs
+
+    def stats(self) -> EngineStats:
+        """Load and totals now (call it on the thread that steps the engine)."""
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(num_waiting=len(sched.waiting), num_running=len(sched.running),
+                           kv_blocks_used=bm.num_blocks - bm.num_free_blocks, kv_blocks_total=bm.num_blocks,
+                           num_preemptions=sched.num_preemptions, **self._totals)
 
     def _continue(self, window: Window) -> Window | None:
         """Queue the same batch's next window behind ``window`` if nothing can change the batch before it: no
@@ -191,6 +286,7 @@ class LLMEngine:
         taken = ends if hit_eos else min(len(tokens), room)
         seq.num_computed_tokens += taken + hit_eos  # the EOS step computed a token too
         seq.extend(tokens[:taken])
+        self._totals["num_generated_tokens"] += taken
         reason = FinishReason.EOS if hit_eos else FinishReason.LENGTH if taken == room else None
         if taken and seq.params.return_hidden_states:
             seq.hidden_chunks.append(hidden[:taken])

@@ -2,7 +2,11 @@
 sequence to compute: running sequences first (a decode is one token, a prefill a chunk of its prompt), then
 waiting ones while the token budget, the sequence limit and the KV blocks allow. When blocks run out the most
 recently admitted sequence is preempted: its blocks are freed and it is recomputed later (its prefix may still
-be in the prefix cache). Pure Python: no torch."""
+be in the prefix cache).
+
+After a failed step the engine puts that step's sequences in quarantine: they are preempted and marked as
+suspects, and a batch holds at most one suspect until it has run a step of its usual kind, so a request whose
+presence makes steps fail is found and failed alone. Pure Python: no torch."""
 
 from __future__ import annotations
 
@@ -42,13 +46,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_decode_steps: int = 1):
+                 num_decode_steps: int = 1, first_window_tokens: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_decode_steps = num_decode_steps
+        self.first_window_tokens = first_window_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.suspects: set[int] = set()
+        """``seq_id`` of quarantined sequences (see ``quarantine``)."""
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -69,6 +77,11 @@ class Scheduler:
         """Give every sequence blocks for ``num_decode_steps`` tokens (fewer near its length limit), or keep
         the single step if any lacks them: a longer window never preempts anybody."""
         bm, k = self.block_manager, self.num_decode_steps
+        youngest = min(s.seq.num_generated for s in out.scheduled)
+        if youngest < self.first_window_tokens:  # a short window brings it to its first audio sooner
+            k = min(k, self.first_window_tokens - youngest)
+        if k < 2:
+            return
         wanted = [min(k, s.seq.max_tokens - len(s.seq)) for s in out.scheduled]
         total = sum(max(bm.blocks_for(s.seq.num_computed_tokens + n) - len(s.seq.block_table), 0)
                     for s, n in zip(out.scheduled, wanted, strict=True))
@@ -99,6 +112,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.seq_id in self.suspects and any(s.seq_id in self.suspects for s in self.running):
+                return  # one suspect per batch
             hits = bm.lookup_prefix(seq)
             num_new = min(len(seq) - len(hits) * bm.block_size, budget)
             # The watermark keeps room for running sequences to grow; with none running it only blocks progress.
@@ -112,9 +127,24 @@ class Scheduler:
             budget -= num_new
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def quarantine(self, seqs: list[Sequence], suspect: bool = True) -> None:
+        """Preempt the running ``seqs`` of a failed step (their device state is unknown; they are recomputed)
+        and, with ``suspect``, mark them as suspects until ``clear`` (FCFS order is kept)."""
+        chosen = {seq.seq_id for seq in seqs}
+        for seq in [s for s in reversed(self.running) if s.seq_id in chosen]:
+            self.running.remove(seq)
+            self._preempt(seq)
+        if suspect:
+            self.suspects.update(seq.seq_id for seq in seqs if not seq.is_finished)
+
+    def clear(self, seq: Sequence) -> None:
+        """``seq`` ran a step of its usual kind: no longer a suspect."""
+        self.suspects.discard(seq.seq_id)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` (EOS, length or abort) wherever it is and free its blocks."""
@@ -123,6 +153,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.suspects.discard(seq.seq_id)
         seq.finish(reason)
 
 

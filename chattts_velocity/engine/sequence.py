@@ -25,6 +25,8 @@ class FinishReason(str, enum.Enum):
     """``max_new_tokens``, the model's context or the KV cache's capacity was reached."""
     ABORT = "abort"
     """``abort_request`` was called."""
+    ERROR = "error"
+    """A step that computed this request failed (``RequestOutput.error`` says why); the others went on."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class RequestOutput:
 
     ``new_token_ids``/``new_hidden_states`` hold the tokens generated since the last report ([n, num_vq] or [n]
     ids; [n, H] hidden states, None unless requested). When ``finished``, ``token_ids``/``hidden_states``
-    hold the whole output."""
+    hold the whole output (what was generated before an abort or a failure included)."""
 
     request_id: str
     new_token_ids: torch.Tensor
@@ -150,3 +152,5 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     token_ids: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
+    error: Exception | None = None
+    """Why the request failed (finish reason ``error``)."""

@@ -1,0 +1,296 @@
+"""``AsyncLLMEngine``: one engine shared by many callers. A background thread owns the ``LLMEngine`` and steps it
+while there is work (it sleeps on a condition when idle); any thread submits requests and reads their outputs
+from a ``RequestStream``, synchronously or with ``async for``. Nobody else calls ``LLMEngine.step``.
+
+Requests are validated on the caller's thread (a bad one raises there and never reaches the engine); adds and
+aborts are handed to the engine thread, which applies them before its next step, so an abort frees the
+request's blocks within one step. A failed request's stream raises ``RequestError``; the others go on."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .llm_engine import EngineStats, LLMEngine
+from .sampling_params import SamplingParams
+from .sequence import FinishReason, Prompt, RequestOutput, Sequence
+
+logger = logging.getLogger(__name__)
+
+_RECENT = 1024
+"""Finished requests whose timestamps ``stats`` still reports."""
+
+
+class RequestError(RuntimeError):
+    """A request failed inside the engine (its ``__cause__`` is the original error)."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine was shut down: it takes no new requests."""
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock (``time.monotonic``) milestones of one request."""
+
+    queued: float
+    first_token: float | None = None
+    first_audio: float | None = None
+    """Set by whoever turns tokens into audio (``RequestStream.mark_first_audio``)."""
+    finished: float | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class AsyncStats:
+    """``LLMEngine.stats`` after the latest step, plus the requests' timestamps (live and recently finished)."""
+
+    engine: EngineStats
+    num_requests: int
+    """Requests submitted so far."""
+    requests: dict[str, RequestTimes] = field(default_factory=dict)
+
+
+class RequestStream:
+    """The outputs of one or more requests, in the order the engine produced them. Iterating (``for`` or
+    ``async for``) yields ``RequestOutput`` objects until every request finished; a failed request raises
+    ``RequestError`` there. ``close`` (or leaving a ``with`` block, or an abandoned ``async for`` in
+    ``AsyncLLMEngine.generate``) aborts the requests that are still running."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_ids: list[str]):
+        self._engine = engine
+        self.request_ids = tuple(request_ids)
+        self.times = {rid: RequestTimes(queued=time.monotonic()) for rid in request_ids}
+        self._pending = set(request_ids)
+        self._items: deque[RequestOutput] = deque()
+        self._cond = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Every request of the stream finished (its outputs may still be unread)."""
+        return not self._pending
+
+    def mark_first_audio(self, request_id: str) -> None:
+        times = self.times[request_id]
+        if times.first_audio is None:
+            times.first_audio = time.monotonic()
+
+    def close(self) -> None:
+        """Abort the requests of this stream that have not finished (no-op once all finished)."""
+        with self._cond:
+            pending, self._pending = list(self._pending), set()
+        for rid in pending:
+            self._engine.abort(rid)
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # an abandoned stream must not hold its blocks
+        if getattr(self, "_pending", None):
+            self.close()
+
+    # ---------------------------------------------------------------- consumer side
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        with self._cond:
+            while not self._items:
+                if not self._pending:
+                    raise StopIteration
+                self._cond.wait()
+            return self._check(self._items.popleft())
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            with self._cond:
+                if self._items:
+                    return self._check(self._items.popleft())
+                if not self._pending:
+                    raise StopAsyncIteration
+                if self._event is None:
+                    self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
+                self._event.clear()
+            await self._event.wait()
+
+    @staticmethod
+    def _check(out: RequestOutput) -> RequestOutput:
+        if out.error is not None:
+            raise RequestError(f"request {out.request_id!r} failed: {out.error!r}") from out.error
+        return out
+
+    # ---------------------------------------------------------------- engine side
+    def _put(self, out: RequestOutput, now: float) -> None:
+        times = self.times[out.request_id]
+        if times.first_token is None and out.num_generated:
+            times.first_token = now
+        if out.finished:
+            times.finished, times.finish_reason = now, out.finish_reason
+        with self._cond:
+            if out.request_id not in self._pending:
+                return  # closed by the consumer: nobody reads it
+            if out.finished:
+                self._pending.discard(out.request_id)
+            self._items.append(out)
+            self._cond.notify_all()
+            loop, event = self._loop, self._event
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(event.set)
+
+
+class AsyncLLMEngine:
+    """Owns an ``LLMEngine`` on a background thread (started with the first request)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Condition()
+        self._new: list[tuple[Sequence, RequestStream]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._recent: deque[tuple[str, RequestTimes]] = deque(maxlen=_RECENT)
+        self._stats = engine.stats()
+        self._num_requests = 0
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._drain = True
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ---------------------------------------------------------------- any thread
+    def add_requests(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams],
+                     request_ids: list[str] | None = None) -> RequestStream:
+        """Validate every request (``ValueError`` naming the first bad one; nothing is queued then) and queue
+        them all; one stream yields their outputs."""
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts) or (request_ids is not None and len(request_ids) != len(prompts)):
+            raise ValueError(f"got {len(prompts)} prompts, {len(params)} SamplingParams and "
+                             f"{len(request_ids or prompts)} request ids: give one of each per prompt")
+        if request_ids is None:
+            request_ids = [f"req-{next(self._ids)}" for _ in prompts]
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request ids must be unique")
+        seqs = []
+        for i, (rid, prompt, p) in enumerate(zip(request_ids, prompts, params, strict=True)):
+            try:
+                seqs.append(self.engine.make_sequence(rid, prompt, p))
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}" if len(prompts) > 1 else str(e)) from None
+        stream = RequestStream(self, request_ids)
+        with self._lock:
+            if self._stopping:
+                raise EngineShutdownError("the engine is shut down: it takes no new requests")
+            clash = next((rid for rid in request_ids if rid in self._streams), None)
+            if clash is not None:
+                raise ValueError(f"request_id {clash!r} is already in use")
+            self._streams.update(dict.fromkeys(request_ids, stream))
+            self._new.extend((seq, stream) for seq in seqs)
+            self._num_requests += len(seqs)
+            self._start()
+            self._lock.notify()
+        return stream
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        return self.add_requests([prompt], [params], None if request_id is None else [request_id])
+
+    async def generate(self, prompt: Prompt, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """``async for out in engine.generate(...)``: one request's outputs. Cancelling the task or leaving the
+        loop early aborts the request."""
+        stream = self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if unknown or finished); its stream ends with finish reason ``abort``."""
+        with self._lock:
+            self._aborts.append(request_id)
+            self._lock.notify()
+
+    def stats(self) -> AsyncStats:
+        with self._lock:
+            requests = dict(self._recent)
+            for rid, stream in self._streams.items():
+                requests[rid] = stream.times[rid]
+            return AsyncStats(engine=self._stats, num_requests=self._num_requests, requests=requests)
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Take no new requests; with ``drain`` finish the queued and running ones, else abort them. Waits up
+        to ``timeout`` seconds for the engine thread."""
+        with self._lock:
+            self._stopping, self._drain = True, drain
+            if not drain:
+                self._aborts.extend(self._streams)
+            self._lock.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # ---------------------------------------------------------------- the engine thread
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="chattts-velocity-engine", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._lock:
+                while not (self._new or self._aborts or engine.has_unfinished_requests() or self._stopping):
+                    self._lock.wait()
+                if self._stopping and not (self._new or self._aborts or engine.has_unfinished_requests()):
+                    return
+                new, self._new = self._new, []
+                aborts, self._aborts = self._aborts, []
+            for seq, _ in new:
+                engine.add_sequence(seq)
+            for rid in aborts:
+                engine.abort_request(rid)
+            try:
+                outputs = engine.step()
+            except Exception as err:  # noqa: BLE001 - the engine failed outside any one batch: fail everyone
+                logger.exception("engine step failed; failing every request")
+                outputs = self._fail_all(err)
+            self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._stats = self.engine.stats()
+            streams = [self._streams.get(out.request_id) for out in outputs]
+            for out in outputs:
+                if out.finished and out.request_id in self._streams:
+                    stream = self._streams.pop(out.request_id)
+                    self._recent.append((out.request_id, stream.times[out.request_id]))
+        for out, stream in zip(outputs, streams, strict=True):
+            if stream is not None:
+                stream._put(out, now)
+
+    def _fail_all(self, err: Exception) -> list[RequestOutput]:
+        outputs = []
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid, report=False)
+            outputs.append(RequestOutput(rid, new_token_ids=torch.empty(0, dtype=torch.int64), new_hidden_states=None,
+                                         num_generated=0, finished=True, finish_reason=FinishReason.ERROR, error=err))
+        return outputs

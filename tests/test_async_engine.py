@@ -1,0 +1,293 @@
+"""``AsyncLLMEngine``: one background thread steps the engine for many callers (threads and asyncio tasks).
+Every request's output equals its solo run; cancellation, explicit aborts, injected step failures and
+shutdown leave the other requests intact and the block pool full."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+import torch
+from test_engine import code_prompt, params, text_prompt
+
+from chattts_velocity.engine import (
+    AsyncLLMEngine,
+    EngineConfig,
+    EngineShutdownError,
+    FinishReason,
+    LLMEngine,
+    Mode,
+    RequestError,
+)
+
+TEXTS = ["hello there", "a somewhat longer sentence to speak", "你好", "short", "the fox", "one two three"]
+
+
+def seeded(i: int, n: int = 24, **kw):
+    return params(temperature=(0.3,), seed=1000 + i, max_new_tokens=n, min_new_tokens=kw.pop("min_new", 4), **kw)
+
+
+@pytest.fixture
+def make_async(chat):
+    engines = []
+
+    def make(**kw) -> AsyncLLMEngine:
+        engine = AsyncLLMEngine(LLMEngine.from_model(chat.model, EngineConfig(**kw), "cpu"))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown(drain=False, timeout=30)
+        stats = engine.engine.stats()
+        assert stats.kv_blocks_used == 0, f"{stats.kv_blocks_used} blocks leaked"
+        assert not engine.engine.has_unfinished_requests()
+
+
+@pytest.fixture
+def solo(chat):
+    """The final output of one request run alone in a fresh synchronous engine."""
+    engine = LLMEngine.from_model(chat.model, EngineConfig(), "cpu")
+
+    def run(prompt, p):
+        engine.add_request("solo", prompt, p)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final = out
+        return final
+
+    return run
+
+
+def collect(stream):
+    """Concatenate a one-request stream's outputs: (final output, streamed ids, streamed hidden states)."""
+    ids, hidden, final = [], [], None
+    for out in stream:
+        ids.append(out.new_token_ids)
+        if out.new_hidden_states is not None:
+            hidden.append(out.new_hidden_states)
+        final = out
+    return final, torch.cat(ids), torch.cat(hidden) if hidden else None
+
+
+def assert_same(out, ref, what: str) -> None:
+    assert out.finish_reason == ref.finish_reason, f"{what}: finish reason"
+    assert torch.equal(out.token_ids, ref.token_ids), f"{what}: tokens differ from the solo run"
+    if ref.hidden_states is not None:
+        assert torch.allclose(out.hidden_states, ref.hidden_states, atol=1e-4), f"{what}: hidden states differ"
+
+
+def test_threads_share_one_engine_and_get_their_own_results(chat, make_async, solo):
+    engine = make_async()
+    prompts = [code_prompt(chat, TEXTS[i % len(TEXTS)]) for i in range(12)]
+    results: dict[int, tuple] = {}
+    barrier = threading.Barrier(len(prompts))
+
+    def worker(i):
+        barrier.wait()
+        results[i] = collect(engine.add_request(prompts[i], seeded(i)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == len(prompts)
+    for i, (final, ids, hidden) in results.items():
+        ref = solo(prompts[i], seeded(i))
+        assert_same(final, ref, f"thread {i}")
+        assert torch.equal(ids, final.token_ids), f"thread {i}: the increments do not add up to the output"
+        assert torch.allclose(hidden, final.hidden_states), f"thread {i}: streamed hidden states"
+    stats = engine.stats()
+    assert stats.engine.max_batch_size > 1, "the threads' requests never ran in one batch"
+    assert stats.num_requests == len(prompts)
+    times = stats.requests
+    assert all(t.queued <= t.first_token <= t.finished for t in times.values())
+
+
+def test_async_streams_with_random_cancellation(chat, make_async, solo):
+    engine = make_async()
+    n = 64
+    rng = random.Random(0)
+    prompts = [code_prompt(chat, TEXTS[i % len(TEXTS)] + f" {i}") for i in range(n)]
+    cancel_after = {i: rng.randint(0, 1) for i in rng.sample(range(n), n // 4)}  # outputs seen before cancelling
+
+    async def consume(i):
+        finals, seen = [], 0
+        async for out in engine.generate(prompts[i], seeded(i, 40, min_new=40)):
+            finals.append(out)
+            seen += 1
+            if i in cancel_after and seen > cancel_after[i]:
+                raise asyncio.CancelledError  # as a cancelled task would
+        return finals[-1]
+
+    async def main():
+        tasks = [asyncio.create_task(consume(i)) for i in range(n)]
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    for i, outcome in enumerate(outcomes):
+        if i in cancel_after:
+            assert isinstance(outcome, asyncio.CancelledError), f"request {i}: {outcome!r}"
+        else:
+            assert_same(outcome, solo(prompts[i], seeded(i, 40, min_new=40)), f"request {i}")
+    engine.shutdown(drain=True, timeout=30)  # the cancelled requests' aborts are applied before it stops
+    assert engine.engine.stats().kv_blocks_used == 0
+
+
+def test_cancelling_a_task_aborts_its_request_within_a_step(chat, make_async):
+    engine = make_async(num_decode_steps=4)
+    started = threading.Event()
+
+    async def consume():
+        async for _ in engine.generate(code_prompt(chat, "cancel me"), seeded(0, 200, min_new=200)):
+            started.set()
+
+    async def main():
+        task = asyncio.create_task(consume())
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    for _ in range(200):  # the engine thread applies the abort before its next step
+        stats = engine.stats()
+        if stats.engine.kv_blocks_used == 0:
+            break
+        threading.Event().wait(0.01)
+    assert stats.engine.kv_blocks_used == 0 and stats.engine.num_running == 0
+    (times,) = stats.requests.values()
+    assert times.finish_reason is FinishReason.ABORT and times.finished is not None
+
+
+@pytest.mark.parametrize("window", [1, 8])
+def test_a_step_failure_fails_only_the_request_it_concerns(chat, make_async, solo, window):
+    engine = make_async(num_decode_steps=window)
+    worker = engine.engine.worker
+    poisoned = "poison"
+
+    def poison(fn):
+        def wrapped(batch, *args, **kw):
+            seqs = [getattr(item, "seq", item) for item in batch]
+            if any(seq.request_id == poisoned and seq.num_generated >= 3 for seq in seqs):
+                raise RuntimeError("injected failure")
+            return fn(batch, *args, **kw)
+
+        return wrapped
+
+    worker.execute = poison(worker.execute)
+    worker.launch_window = poison(worker.launch_window)
+    ids = [f"r{i}" for i in range(5)] + [poisoned]
+    prompts = [code_prompt(chat, TEXTS[i % len(TEXTS)]) for i in range(len(ids))]
+    ps = [seeded(i, 30, min_new=10) for i in range(len(ids))]
+    stream = engine.add_requests(prompts, ps, request_ids=ids)
+    finals, errors = {}, []
+    while True:
+        try:
+            out = next(stream)
+        except StopIteration:
+            break
+        except RequestError as e:
+            errors.append(e)
+            continue
+        if out.finished:
+            finals[out.request_id] = out
+    assert len(errors) == 1 and poisoned in str(errors[0]) and "injected failure" in str(errors[0].__cause__)
+    assert set(finals) == set(ids[:-1])
+    for i, rid in enumerate(ids[:-1]):
+        assert_same(finals[rid], solo(prompts[i], ps[i]), rid)
+    stats = engine.stats().engine
+    assert stats.num_failed == 1 and stats.num_preemptions >= len(ids) - 1  # the batch was quarantined once
+    # the engine keeps serving after the failure
+    final, _, _ = collect(engine.add_request(prompts[0], ps[0]))
+    assert_same(final, solo(prompts[0], ps[0]), "after the failure")
+
+
+def test_explicit_abort_and_stream_close(chat, make_async):
+    engine = make_async(num_decode_steps=4)
+    stream = engine.add_request(code_prompt(chat, "abort me"), seeded(0, 300, min_new=300), request_id="x")
+    first = next(stream)
+    engine.abort("x")
+    rest = list(stream)
+    assert rest[-1].finished and rest[-1].finish_reason is FinishReason.ABORT
+    total = first.new_token_ids.shape[0] + sum(o.new_token_ids.shape[0] for o in rest)
+    assert total == rest[-1].token_ids.shape[0] < 300
+    with engine.add_request(code_prompt(chat, "close me"), seeded(1, 300, min_new=300)) as s:
+        next(s)
+    engine.shutdown(drain=True, timeout=30)
+    assert engine.engine.stats().kv_blocks_used == 0
+
+
+def test_shutdown_drains_or_aborts(chat, make_async):
+    engine = make_async()
+    s1 = engine.add_request(code_prompt(chat, "drain me"), seeded(0, 20, min_new=20))
+    engine.shutdown(drain=True, timeout=30)
+    out, _, _ = collect(s1)
+    assert out.finish_reason is FinishReason.LENGTH and out.token_ids.shape[0] == 20
+    with pytest.raises(EngineShutdownError):
+        engine.add_request(code_prompt(chat, "too late"), seeded(1))
+
+    engine = make_async()
+    s2 = engine.add_request(code_prompt(chat, "abort me"), seeded(0, 400, min_new=400))
+    engine.shutdown(drain=False, timeout=30)
+    assert list(s2)[-1].finish_reason is FinishReason.ABORT
+
+
+def test_bad_requests_raise_in_the_caller_and_queue_nothing(chat, make_async):
+    engine = make_async()
+    good, bad = code_prompt(chat, "fine"), code_prompt(chat, "fine")
+    with pytest.raises(ValueError, match="request 1: .*top_k"):
+        engine.add_requests([good, bad], [seeded(0), seeded(1, top_k=0)])
+    assert engine.stats().num_requests == 0
+    engine.add_request(good, seeded(0), request_id="dup")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(good, seeded(0), request_id="dup")
+
+
+def test_text_and_code_requests_mix(chat, make_async, solo):
+    engine = make_async()
+    p_text = params(Mode.TEXT, repetition_penalty=1.0, max_new_tokens=12, seed=5, return_hidden_states=False)
+    s_text = engine.add_request(text_prompt(chat, "refine me"), p_text)
+    s_code = engine.add_request(code_prompt(chat, "speak me"), seeded(3))
+    assert_same(collect(s_text)[0], solo(text_prompt(chat, "refine me"), p_text), "text")
+    assert_same(collect(s_code)[0], solo(code_prompt(chat, "speak me"), seeded(3)), "code")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs /proc")
+def test_a_thousand_requests_with_random_cancellation_leave_the_pool_full_and_memory_flat(chat, make_async):
+    engine = make_async(num_kv_blocks=64, block_size=8, max_num_seqs=32)
+    rng = random.Random(1)
+    prompts = [code_prompt(chat, t) for t in TEXTS]
+
+    async def one(i):
+        n = 0
+        async for _ in engine.generate(prompts[i % len(prompts)], seeded(i, rng.randint(2, 12), min_new=0)):
+            n += 1
+            if rng.random() < 0.3:
+                return "cancelled"
+        return "done"
+
+    async def wave(start, count):
+        return await asyncio.gather(*(one(i) for i in range(start, start + count)))
+
+    rss = []
+    outcomes = []
+    for w in range(4):
+        outcomes += asyncio.run(wave(w * 250, 250))
+        rss.append(rss_bytes())
+    assert len(outcomes) == 1000 and 0 < outcomes.count("cancelled") < 1000
+    engine.shutdown(drain=True, timeout=60)
+    stats = engine.engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.num_waiting == stats.num_running == 0
+    growth = rss[-1] - rss[1]
+    assert growth < 32 * 2**20, f"memory grew by {growth / 2**20:.1f} MiB over 500 requests"
