@@ -21,12 +21,11 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from .audio import StreamConfig
 from .params import InferCodeParams, RefineTextParams
-from .reference import DecodeSettings, GenerationOutput, reference_generate
-from .velocity import velocity_generate
+from .velocity import SILENCE
 
 logger = logging.getLogger(__name__)
-_SILENCE = np.float32(1e-5)
 
 
 class Chat:
@@ -39,7 +38,8 @@ class Chat:
         self.logger = logger or logging.getLogger(__name__)
         self.normalizer = Normalizer(self.logger)
         self.model = None
-        self._interrupted = False
+        self.engine = None
+        """The shared ``AsyncLLMEngine`` (after ``load``); ``engine.engine`` is the ``LLMEngine`` it steps."""
 
     # ------------------------------------------------------------------ loading
     def load(self, source: str = "local", force_redownload: bool = False, compile: bool = False,
@@ -48,19 +48,22 @@ class Chat:
              enable_cache: bool = True, load_format: str = "safetensors", *, block_size: int = 16,
              num_kv_blocks: int | None = None, kv_cache_gib: float | None = None, max_num_seqs: int = 64,
              max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-             engine_dtype: str = "float32") -> bool:
+             engine_dtype: str = "float32", stream_config: StreamConfig | None = None) -> bool:
         """Load ChatTTS from ``source`` ("huggingface", "local" or "custom"; see ``resolve_model_dir``), or random
         full-size weights with ``load_format="dummy"``, and start the velocity engine over it.
 
         Engine settings (see ``EngineConfig``): ``block_size`` tokens per KV block; the KV cache as
         ``num_kv_blocks`` blocks or ``kv_cache_gib`` GiB (default: 40% of free GPU memory, 1 GiB on CPU);
         ``max_num_seqs`` sequences decoded together; ``max_num_batched_tokens`` tokens per step (longer prompts
-        are prefilled in chunks); ``enable_prefix_caching``; ``engine_dtype`` of the Llama core.
+        are prefilled in chunks); ``enable_prefix_caching``; ``engine_dtype`` of the Llama core;
+        ``stream_config`` the streaming decode's chunking and context (``StreamConfig``).
         ``compile``, ``use_flash_attn``, ``use_vllm``, ``experimental`` and ``enable_cache`` are accepted for
         compatibility and change nothing. Returns True; raises ``ModelNotFoundError``/``ValueError``."""
         from .audio import AudioDecoder
-        from .engine import EngineConfig, LLMEngine
+        from .engine import AsyncLLMEngine, EngineConfig, LLMEngine
         from .model.loader import ModelLoader, resolve_model_dir
+        from .reference import ReferencePath
+        from .velocity import VelocityPath
 
         engine_config = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
@@ -73,9 +76,12 @@ class Chat:
         model = loader.load(root)
         if coef is not None:
             _set_coef(model, coef)
+        self.unload()
         self.model, self.device = model, device
         self.audio = AudioDecoder(model.dvae, model.decoder, model.vocos, device)
-        self.engine = LLMEngine.from_model(model, engine_config, device)
+        self.engine = AsyncLLMEngine(LLMEngine.from_model(model, engine_config, device))
+        self._velocity = VelocityPath(self.engine, model, self.audio, stream_config or StreamConfig())
+        self._reference = ReferencePath(model, self.audio, device)
         self.logger.info("ChatTTS loaded from %s on %s", root or "random weights", device)
         return True
 
@@ -83,9 +89,12 @@ class Chat:
         return self.model is not None
 
     def unload(self) -> None:
-        self.model = None
-        self.__dict__.pop("audio", None)
-        self.__dict__.pop("engine", None)
+        """Stop the engine (requests in flight are aborted) and drop the model."""
+        if self.engine is not None:
+            self.engine.shutdown(drain=False)
+        self.model = self.engine = None
+        for name in ("audio", "_velocity", "_reference"):
+            self.__dict__.pop(name, None)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -114,8 +123,11 @@ class Chat:
         return encode_prompt(self.audio.sample_audio(wav))
 
     def interrupt(self) -> None:
-        """Stop the running ``infer`` after its current step; it returns what was generated so far."""
-        self._interrupted = True
+        """Stop every ``infer`` call of this ``Chat`` running now after its current step; each returns (or
+        streams) what was generated so far. To stop only one streaming call, close its generator."""
+        if self.model is not None:
+            self._velocity.interrupt()
+            self._reference.interrupt()
 
     # ------------------------------------------------------------------ inference
     def infer(self, text, stream: bool = False, lang: str | None = None, skip_refine_text: bool = False,
@@ -126,29 +138,45 @@ class Chat:
         """Text to 24 kHz float32 wavs, as upstream: a list of arrays (one, concatenated, when ``split_text``),
         refined texts with ``refine_text_only``, or a generator of [B, n] chunks with ``stream``.
 
-        ``use_velocity=True`` decodes refine and code passes with the velocity engine: every text is its own
-        request with the call's ``manual_seed`` (so its audio does not depend on its neighbours) and is decoded
-        to its own length. ``use_velocity=False`` runs the reference loop, which reproduces upstream exactly."""
-        model = self._require()
-        self._interrupted = False
+        ``use_velocity=True`` runs every pass in the shared engine: any number of threads may call ``infer`` at
+        once and their requests are batched together. Every text is its own request with the call's
+        ``manual_seed`` (its audio does not depend on its neighbours) and is decoded at its own length; all
+        texts of a call are submitted at once (``max_split_batch`` only groups the chunks of a stream). A
+        stream decodes each chunk once, with ``stream_config``'s context (``stream_batch``, ``stream_speed``
+        and ``pass_first_n_batches`` belong to upstream's protocol and are ignored); closing the generator
+        aborts the call's requests. ``use_velocity=False`` runs the reference loop, which reproduces upstream
+        exactly."""
+        self._require()
         refine = params_refine_text if params_refine_text is not None else RefineTextParams()
         code = params_infer_code if params_infer_code is not None else InferCodeParams()
         refine.validate(1)
-        code.validate(model.config.num_vq)
-        texts = self._prepare_texts(text, split_text, lang, do_text_normalization, do_homophone_replacement)
+        code.validate(self.model.config.num_vq)
         if not isinstance(max_split_batch, int) or max_split_batch < 1:
             raise ValueError(f"max_split_batch must be an int >= 1, got {max_split_batch!r}")
         if not isinstance(use_velocity, bool):
             raise ValueError(f"use_velocity must be a bool, got {use_velocity!r}")
+        texts = self._prepare_texts(text, split_text, lang, do_text_normalization, do_homophone_replacement)
+        path = self._velocity if use_velocity else self._reference
         if not skip_refine_text:
-            texts = self._refine(texts, refine, use_velocity)
+            texts = self._refine(path, texts, refine)
             if refine_text_only:
                 return "\n".join(texts) if split_text else texts
-        gen = self._infer_audio(texts, stream, use_decoder, split_text, max_split_batch, code, use_velocity)
+        if split_text and len(texts) > 1 and code.spk_smp is None:
+            # upstream's split mode: the first sentence's audio becomes the voice sample of all sentences
+            first = path.speak([texts[0]], code, use_decoder)[0]
+            code = dataclasses.replace(code, spk_smp=self.sample_audio_speaker(first), txt_smp=texts[0])
         if stream:
-            return gen
-        stripped = [wav[np.abs(wav) > _SILENCE] for wavs in gen for wav in wavs]
+            return self._stream(path, texts, code, use_decoder, max_split_batch if split_text else len(texts))
+        batch = len(texts) if use_velocity or not split_text else max_split_batch
+        wavs = [w for i in range(0, len(texts), batch) for w in path.speak(texts[i : i + batch], code, use_decoder)]
+        stripped = [wav[np.abs(wav) > SILENCE] for wav in wavs]
         return [np.concatenate(stripped)] if split_text else stripped
+
+    def _stream(self, path, texts: list[str], params: InferCodeParams, use_decoder: bool,
+                batch: int) -> Iterator[np.ndarray]:
+        for start in range(0, len(texts), batch):
+            self.logger.info("infer split %d~%d", start, start + min(batch, len(texts) - start))
+            yield from path.stream(texts[start : start + batch], params, use_decoder)
 
     def _prepare_texts(self, text, split_text, lang, do_norm, do_homophone) -> list[str]:
         from .text import split_long
@@ -174,120 +202,20 @@ class Chat:
             texts = [piece for t in texts for piece in split_long(t, tok.count, limit)]
         return texts
 
-    def _refine(self, texts: list[str], params: RefineTextParams, velocity: bool) -> list[str]:
+    def _refine(self, path, texts: list[str], params: RefineTextParams) -> list[str]:
         """Refined texts; ids from ``[break_0]`` on are dropped, as upstream does."""
-        tok = self._require().tokenizer
-        return tok.decode([ids[ids < tok.break_0_ids] for ids in self._refine_ids(texts, params, velocity).ids])
+        tok = self.model.tokenizer
+        return tok.decode([ids[ids < tok.break_0_ids] for ids in path.refine(texts, params)])
 
-    def _refine_ids(self, texts: list[str], params: RefineTextParams, velocity: bool = False) -> GenerationOutput:
-        from .text import decorate_text_prompts
 
-        tok = self._require().tokenizer
-        settings = _settings(params, text_mode=True, eos_id=tok.eos_token, row_cap=tok.len,
-                             temperature=params.temperatures(1))
-        prompts = decorate_text_prompts(texts, params.prompt)
-        return _last(self._generate(prompts, settings, None, None, stream=False, velocity=velocity))
-
-    def _infer_audio(self, texts, stream, use_decoder, split_text, max_split_batch, params: InferCodeParams,
-                     velocity: bool):
-        if split_text and len(texts) > 1 and params.spk_smp is None:
-            first = _last(self._infer_code([texts[0]], False, params, velocity))
-            wavs = self._wavs(first, use_decoder, velocity)
-            params = dataclasses.replace(params, spk_smp=self.sample_audio_speaker(wavs[0]), txt_smp=texts[0])
-        if not split_text:
-            max_split_batch = len(texts)
-        for start in range(0, len(texts), max_split_batch):
-            batch = texts[start : start + max_split_batch]
-            if split_text:
-                self.logger.info("infer split %d~%d", start, start + len(batch))
-            results = self._infer_code(batch, stream, params, velocity)
-            if stream:
-                yield from self._stream_chunks(results, use_decoder, params, velocity)
-            else:
-                for res in results:
-                    yield self._wavs(res, use_decoder, velocity)
-
-    def _wavs(self, res: GenerationOutput, use_decoder: bool, velocity: bool) -> list[np.ndarray]:
-        """Velocity: every sequence decoded at its own length, TF32 on CUDA. Reference: one zero-padded batch
-        at torch's default precision, as upstream (whose silence stripping reacts to the last bit)."""
-        seqs = res.hiddens if use_decoder else res.ids
-        if velocity:
-            return self.audio.to_wav_list(seqs, use_decoder)
-        return list(self.audio.to_wavs(seqs, use_decoder, tf32=False))
-
-    def _stream_chunks(self, results: Iterator[GenerationOutput], use_decoder: bool, params: InferCodeParams,
-                       velocity: bool) -> Iterator[np.ndarray]:
-        length, seen, wavs = 0, 0, None
-        for res in results:
-            wavs = self.audio.to_wavs(res.hiddens if use_decoder else res.ids, use_decoder, tf32=velocity)
-            seen += 1
-            if seen <= params.pass_first_n_batches:
-                continue
-            end = min(length + params.stream_speed, wavs.shape[1])
-            yield wavs[:, length:end]
-            length = end
-        tail = wavs[:, length:]
-        yield tail[:, np.sum(np.abs(tail) > _SILENCE, axis=0) > 0]
-
-    def _infer_code(self, texts: list[str], stream: bool, params: InferCodeParams,
-                    velocity: bool = False) -> Iterator[GenerationOutput]:
-        from .text import decode_prompt, decorate_code_prompts, speaker_vector
-
-        model = self._require()
-        cfg = model.config
-        prompt = None
-        if params.spk_smp is not None:
-            prompt = decode_prompt(params.spk_smp, num_vq=cfg.num_vq, num_codes=cfg.num_audio_tokens)
-        spk_vec = speaker_vector(params.spk_emb, cfg.hidden_size) if params.spk_emb is not None else None
-        prompts = decorate_code_prompts(texts, params.prompt, params.txt_smp, params.spk_emb is not None)
-        settings = _settings(params, text_mode=False, eos_id=cfg.eos_code, row_cap=cfg.eos_code,
-                             temperature=params.temperatures(cfg.num_vq), stream_batch=params.stream_batch)
-        return self._generate(prompts, settings, prompt, spk_vec, stream, velocity)
-
-    def _generate(self, prompts: list[str], settings: DecodeSettings, prompt_codes, spk_vec,
-                  stream: bool, velocity: bool = False) -> Iterator[GenerationOutput]:
-        model = self._require()
-        cfg = model.config
-        input_ids, attention_mask, text_mask = model.tokenizer.encode(prompts, cfg.num_vq, prompt=prompt_codes)
-        length = input_ids.shape[1]
-        room = cfg.max_position_embeddings - length
-        if room <= 0:
-            raise ValueError(
-                f"text is longer than the model's context: the prompt (text, tags and any voice-sample transcript "
-                f"txt_smp) has {length} tokens, the model holds {cfg.max_position_embeddings}; shorten the text or "
-                "txt_smp, or let infer split it (split_text=True)"
-            )
-        if velocity:  # the engine caps each request by its own room
-            return velocity_generate(self.engine, model.tokenizer, prompts, settings, prompt_codes, spk_vec, stream,
-                                     interrupted=lambda: self._interrupted)
-        if settings.max_new_token > room:
-            self.logger.warning("max_new_token %d capped to %d by the model's context", settings.max_new_token, room)
-            settings = dataclasses.replace(settings, max_new_token=room,
-                                           min_new_token=min(settings.min_new_token, room))
-        dev = self.device
-        return reference_generate(
-            model.gpt, input_ids.to(dev), attention_mask.to(dev), text_mask.to(dev), settings,
-            spk_id=model.tokenizer.spk_emb_ids, spk_vec=spk_vec, stream=stream,
-            interrupted=lambda: self._interrupted,
+def check_context(length: int, limit: int) -> None:
+    """Raise if a prompt of ``length`` tokens leaves no room to generate in a context of ``limit``."""
+    if length >= limit:
+        raise ValueError(
+            f"text is longer than the model's context: the prompt (text, tags and any voice-sample transcript "
+            f"txt_smp) has {length} tokens, the model holds {limit}; shorten the text or txt_smp, or let infer "
+            "split it (split_text=True)"
         )
-
-
-def _settings(params: RefineTextParams, text_mode: bool, eos_id: int, row_cap: int,
-              temperature: tuple[float, ...], stream_batch: int = 24) -> DecodeSettings:
-    return DecodeSettings(
-        text_mode=text_mode, temperature=temperature, top_p=params.top_P, top_k=params.top_K,
-        repetition_penalty=params.repetition_penalty, max_new_token=params.max_new_token,
-        min_new_token=params.min_new_token, eos_id=eos_id, penalty_row_cap=row_cap,
-        manual_seed=params.manual_seed, ensure_non_empty=params.ensure_non_empty, stream_batch=stream_batch,
-        show_tqdm=params.show_tqdm,
-    )
-
-
-def _last(results: Iterator[GenerationOutput]) -> GenerationOutput:
-    """The final output of a (non-streaming) generation."""
-    outputs = list(results)
-    assert outputs, "reference_generate always yields a final output"
-    return outputs[-1]
 
 
 def _default_device() -> torch.device:

@@ -11,10 +11,13 @@ goes on and that sequence's result is empty.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -161,3 +164,95 @@ def _outputs(buf, T0, end_idx, hiddens, text_mode) -> GenerationOutput:
         ids=[x.clone() for x in ids],
         hiddens=[stacked[b, : n[b]].clone() for b in range(buf.size(0))],
     )
+
+
+class ReferencePath:
+    """``Chat``'s ``use_velocity=False`` passes: upstream's loop over whole batches (zero-padded wav decode at
+    torch's default precision, upstream's re-decoding stream protocol), for parity and as the baseline."""
+
+    def __init__(self, model, audio, device: torch.device):
+        self.model, self.audio, self.device = model, audio, device
+        self._epoch = itertools.count()
+        self._current = next(self._epoch)
+
+    def interrupt(self) -> None:
+        """Calls running now stop after their current step and return what they generated."""
+        self._current = next(self._epoch)
+
+    def refine(self, texts: list[str], p) -> list[torch.Tensor]:
+        return self.refine_ids(texts, p).ids
+
+    def refine_ids(self, texts: list[str], p) -> GenerationOutput:
+        from .text import decorate_text_prompts
+
+        tok = self.model.tokenizer
+        settings = _settings(p, text_mode=True, eos_id=tok.eos_token, row_cap=tok.len, temperature=p.temperatures(1))
+        return _last(self._generate(decorate_text_prompts(texts, p.prompt), settings, None, None, stream=False))
+
+    def speak(self, texts: list[str], p, use_decoder: bool) -> list[np.ndarray]:
+        res = _last(self.infer_code(texts, False, p))
+        return list(self.audio.to_wavs(res.hiddens if use_decoder else res.ids, use_decoder, tf32=False))
+
+    def stream(self, texts: list[str], p, use_decoder: bool) -> Iterator[np.ndarray]:
+        """Upstream's protocol: re-decode everything at each partial output, hand out up to ``stream_speed``
+        new samples, skip the first ``pass_first_n_batches`` outputs, then the rest minus silent columns."""
+        length, seen, wavs = 0, 0, None
+        for res in self.infer_code(texts, True, p):
+            wavs = self.audio.to_wavs(res.hiddens if use_decoder else res.ids, use_decoder, tf32=False)
+            seen += 1
+            if seen <= p.pass_first_n_batches:
+                continue
+            end = min(length + p.stream_speed, wavs.shape[1])
+            yield wavs[:, length:end]
+            length = end
+        tail = wavs[:, length:]
+        yield tail[:, np.sum(np.abs(tail) > 1e-5, axis=0) > 0]
+
+    def infer_code(self, texts: list[str], stream: bool, p) -> Iterator[GenerationOutput]:
+        from .text import decode_prompt, decorate_code_prompts, speaker_vector
+
+        cfg = self.model.config
+        codes = None
+        if p.spk_smp is not None:
+            codes = decode_prompt(p.spk_smp, num_vq=cfg.num_vq, num_codes=cfg.num_audio_tokens)
+        spk = speaker_vector(p.spk_emb, cfg.hidden_size) if p.spk_emb is not None else None
+        prompts = decorate_code_prompts(texts, p.prompt, p.txt_smp, p.spk_emb is not None)
+        settings = _settings(p, text_mode=False, eos_id=cfg.eos_code, row_cap=cfg.eos_code,
+                             temperature=p.temperatures(cfg.num_vq), stream_batch=p.stream_batch)
+        return self._generate(prompts, settings, codes, spk, stream)
+
+    def _generate(self, prompts: list[str], settings: DecodeSettings, codes, spk, stream: bool):
+        from .chat import check_context
+
+        model, dev = self.model, self.device
+        input_ids, attention_mask, text_mask = model.tokenizer.encode(prompts, model.config.num_vq, prompt=codes)
+        limit = model.config.max_position_embeddings
+        check_context(input_ids.shape[1], limit)
+        room = limit - input_ids.shape[1]
+        if settings.max_new_token > room:
+            logger.warning("max_new_token %d capped to %d by the model's context", settings.max_new_token, room)
+            settings = dataclasses.replace(settings, max_new_token=room, min_new_token=min(settings.min_new_token, room))
+        epoch = self._current
+        return reference_generate(
+            model.gpt, input_ids.to(dev), attention_mask.to(dev), text_mask.to(dev), settings,
+            spk_id=model.tokenizer.spk_emb_ids, spk_vec=spk, stream=stream,
+            interrupted=lambda: self._current != epoch,
+        )
+
+
+def _settings(params, text_mode: bool, eos_id: int, row_cap: int, temperature: tuple[float, ...],
+              stream_batch: int = 24) -> DecodeSettings:
+    return DecodeSettings(
+        text_mode=text_mode, temperature=temperature, top_p=params.top_P, top_k=params.top_K,
+        repetition_penalty=params.repetition_penalty, max_new_token=params.max_new_token,
+        min_new_token=params.min_new_token, eos_id=eos_id, penalty_row_cap=row_cap,
+        manual_seed=params.manual_seed, ensure_non_empty=params.ensure_non_empty, stream_batch=stream_batch,
+        show_tqdm=params.show_tqdm,
+    )
+
+
+def _last(results: Iterator[GenerationOutput]) -> GenerationOutput:
+    """The final output of a (non-streaming) generation."""
+    outputs = list(results)
+    assert outputs, "reference_generate always yields a final output"
+    return outputs[-1]

@@ -1,89 +1,191 @@
-"""The ``use_velocity=True`` decode of ``Chat``: ChatTTS prompts as engine requests, engine steps as the same
-``GenerationOutput`` stream the reference loop yields (partial outputs every ``stream_batch`` steps, then the
-final one), so ``Chat`` treats both paths alike."""
+"""``Chat``'s ``use_velocity=True`` path: every text becomes its own request in the shared ``AsyncLLMEngine``
+(with the call's ``manual_seed``, so a text's output never depends on its neighbours), tokenised and validated
+once. Concurrent calls from any number of threads meet in the engine's batches; each gets its own results.
+
+Streaming decodes audio incrementally (``audio.stream``): each chunk of new tokens with a bounded left context
+and look-ahead, the chunks of all of a call's live requests in one batched decode, so the work is linear in the
+length and the first audio comes after ``first_chunk + lookahead`` tokens."""
 
 from __future__ import annotations
 
-import itertools
-import logging
-from collections.abc import Callable, Iterator
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from .engine import LLMEngine, Mode, Prompt, SamplingParams
-from .reference import DecodeSettings, GenerationOutput
+from .audio import AudioStream, StreamConfig, decode_windows
+from .engine import AsyncLLMEngine, Mode, Prompt, RequestOutput, RequestStream, SamplingParams
+from .params import InferCodeParams, RefineTextParams
 
-logger = logging.getLogger(__name__)
-_calls = itertools.count()
+SILENCE = np.float32(1e-5)
+"""Samples at or below this magnitude are dropped from the returned audio, as upstream does."""
 
 
-def sampling_params(s: DecodeSettings) -> SamplingParams:
-    """Engine parameters of a ``Chat`` decode. ``ensure_non_empty`` masks EOS at the first step: the same
+@dataclass
+class Generated:
+    """One request's final output: ids ([T, num_vq] codes or [T] text ids) and hidden states ([T, H] or None)."""
+
+    ids: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+def sampling_params(p: RefineTextParams, mode: Mode, num_vq: int) -> SamplingParams:
+    """Engine parameters of a ``Chat`` pass. ``ensure_non_empty`` masks EOS at the first step: the same
     distribution as upstream's resample-until-not-EOS, in one pass (and it also holds with a seed)."""
-    min_new = max(s.min_new_token, 1 if s.ensure_non_empty else 0)
+    min_new = max(p.min_new_token, 1 if p.ensure_non_empty else 0)
     return SamplingParams(
-        mode=Mode.TEXT if s.text_mode else Mode.CODE, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        repetition_penalty=s.repetition_penalty, min_new_tokens=min(min_new, s.max_new_token),
-        max_new_tokens=s.max_new_token, seed=s.manual_seed, return_hidden_states=not s.text_mode,
+        mode=mode, temperature=p.temperatures(1 if mode is Mode.TEXT else num_vq), top_p=p.top_P, top_k=p.top_K,
+        repetition_penalty=p.repetition_penalty, min_new_tokens=min(min_new, p.max_new_token),
+        max_new_tokens=p.max_new_token, seed=p.manual_seed, return_hidden_states=mode is Mode.CODE,
     )
 
 
-def velocity_generate(engine: LLMEngine, tokenizer, prompts: list[str], settings: DecodeSettings,
-                      prompt_codes: torch.Tensor | None, spk_vec: torch.Tensor | None, stream: bool,
-                      interrupted: Callable[[], bool] = lambda: False) -> Iterator[GenerationOutput]:
-    """Every prompt is its own request with the call's seed, so a text's output never depends on its
-    neighbours. Validates and queues them all before the first step (the generator starts right away)."""
-    num_vq = engine.model_config.num_vq
-    params = sampling_params(settings)
-    requests = []
-    for text in prompts:
-        ids, _, text_mask = tokenizer.encode([text], num_vq, prompt=prompt_codes)
-        requests.append(Prompt(ids[0], text_mask[0], spk_vec))
-    for prompt in requests:
-        engine.validate_request(prompt, params)
-    call = next(_calls)
-    ids = [f"chat-{call}-{i}" for i in range(len(requests))]
-    for rid, prompt in zip(ids, requests, strict=True):
-        engine.add_request(rid, prompt, params)
-    return _drive(engine, ids, settings, stream, interrupted)
+class VelocityPath:
+    """Refine, code and audio passes of ``Chat`` through one shared engine."""
 
+    def __init__(self, engine: AsyncLLMEngine, model, audio, stream_config: StreamConfig):
+        self.engine = engine
+        self.model = model
+        self.audio = audio
+        self.stream_config = stream_config
+        self._live: weakref.WeakSet[RequestStream] = weakref.WeakSet()
+        self._lock = threading.Lock()
 
-def _drive(engine: LLMEngine, ids: list[str], s: DecodeSettings, stream: bool,
-           interrupted: Callable[[], bool]) -> Iterator[GenerationOutput]:
-    tokens: dict[str, list[torch.Tensor]] = {rid: [] for rid in ids}
-    hiddens: dict[str, list[torch.Tensor]] = {rid: [] for rid in ids}
-    pending = set(ids)
-    done = 0  # steps of the longest sequence so far (the engine may decode several per call)
-    bar = tqdm(total=s.max_new_token, desc="text" if s.text_mode else "code", disable=not s.show_tqdm)
-    try:
-        while pending:
-            if interrupted():
-                logger.warning("generation is interrupted")
-                break
-            longest = done
-            for out in engine.step():
-                if out.request_id not in pending:
-                    continue
-                tokens[out.request_id].append(out.new_token_ids)
-                if out.new_hidden_states is not None:
-                    hiddens[out.request_id].append(out.new_hidden_states)
-                longest = max(longest, out.num_generated)
+    def interrupt(self) -> None:
+        """Abort every request in flight; each call returns (or streams) what was generated so far."""
+        with self._lock:
+            live = list(self._live)
+        for stream in live:
+            stream.abort()
+
+    # ---------------------------------------------------------------- passes
+    def refine(self, texts: list[str], p: RefineTextParams) -> list[torch.Tensor]:
+        """Refined text ids per text."""
+        from .text import decorate_text_prompts
+
+        prompts = self._prompts(decorate_text_prompts(texts, p.prompt), None, None)
+        stream = self._submit(prompts, sampling_params(p, Mode.TEXT, self.model.config.num_vq))
+        return [g.ids for g in self._collect(stream, "text", p)]
+
+    def codes(self, texts: list[str], p: InferCodeParams) -> list[Generated]:
+        """Audio codes and hidden states per text."""
+        return self._collect(self._submit(self._code_prompts(texts, p), self._code_params(p)), "code", p)
+
+    def speak(self, texts: list[str], p: InferCodeParams, use_decoder: bool) -> list[np.ndarray]:
+        """Full wavs (not yet silence-stripped), each decoded at its own length."""
+        results = self.codes(texts, p)
+        return self.audio.to_wav_list([g.hidden if use_decoder else g.ids for g in results], use_decoder)
+
+    def stream(self, texts: list[str], p: InferCodeParams, use_decoder: bool) -> Iterator[np.ndarray]:
+        """[B, n] chunks of the texts' audio as it is generated, silence columns dropped as upstream does with
+        its last chunk. Rows stay aligned: a chunk ends where the slowest unfinished row's audio ends."""
+        stream = self._submit(self._code_prompts(texts, p), self._code_params(p))
+        audio = {rid: AudioStream(self.stream_config) for rid in stream.request_ids}
+        owner = {id(a): rid for rid, a in audio.items()}
+        rows = {rid: [] for rid in stream.request_ids}  # decoded samples per request, not yet yielded
+        bar = _bar(p, "code")
+        try:
+            for outputs in _batches(stream):
+                for out in outputs:
+                    _progress(bar, out)
+                    new = out.new_hidden_states if use_decoder else out.new_token_ids
+                    audio[out.request_id].push(new, finished=out.finished)
+                windows = [w for a in audio.values() for w in a.ready()]
+                for window, wav in zip(windows, decode_windows(self.audio, windows, use_decoder), strict=True):
+                    rid = owner[id(window.stream)]
+                    rows[rid].append(window.stream.accept(window, wav))
+                    stream.mark_first_audio(rid)
+                chunk = _aligned(rows, audio, stream.request_ids)
+                if chunk is not None:
+                    yield chunk
+        finally:
+            bar.close()
+            stream.close()
+
+    # ---------------------------------------------------------------- requests
+    def _code_params(self, p: InferCodeParams) -> SamplingParams:
+        return sampling_params(p, Mode.CODE, self.model.config.num_vq)
+
+    def _code_prompts(self, texts: list[str], p: InferCodeParams) -> list[Prompt]:
+        from .text import decode_prompt, decorate_code_prompts, speaker_vector
+
+        cfg = self.model.config
+        codes = None
+        if p.spk_smp is not None:
+            codes = decode_prompt(p.spk_smp, num_vq=cfg.num_vq, num_codes=cfg.num_audio_tokens)
+        spk = speaker_vector(p.spk_emb, cfg.hidden_size) if p.spk_emb is not None else None
+        return self._prompts(decorate_code_prompts(texts, p.prompt, p.txt_smp, p.spk_emb is not None), codes, spk)
+
+    def _prompts(self, decorated: list[str], codes, spk) -> list[Prompt]:
+        from .chat import check_context
+
+        tok, num_vq = self.model.tokenizer, self.model.config.num_vq
+        prompts = []
+        for text in decorated:
+            ids, _, text_mask = tok.encode([text], num_vq, prompt=codes)
+            check_context(ids.shape[1], self.engine.max_model_len)
+            prompts.append(Prompt(ids[0], text_mask[0], spk))
+        return prompts
+
+    def _submit(self, prompts: list[Prompt], params: SamplingParams) -> RequestStream:
+        stream = self.engine.add_requests(prompts, params)
+        with self._lock:
+            self._live.add(stream)
+        return stream
+
+    def _collect(self, stream: RequestStream, desc: str, p: RefineTextParams) -> list[Generated]:
+        final: dict[str, RequestOutput] = {}
+        bar = _bar(p, desc)
+        try:
+            for out in stream:
+                _progress(bar, out)
                 if out.finished:
-                    pending.discard(out.request_id)
-            bar.update(longest - done)
-            if stream and longest // s.stream_batch > done // s.stream_batch:
-                yield _collect(ids, tokens, hiddens)
-            done = longest
-    finally:
-        bar.close()
-        for rid in pending:  # interrupted, or the consumer stopped early
-            engine.abort_request(rid, report=False)
-    yield _collect(ids, tokens, hiddens)
+                    final[out.request_id] = out
+        finally:
+            bar.close()
+            stream.close()
+        return [Generated(final[rid].token_ids, final[rid].hidden_states) for rid in stream.request_ids]
 
 
-def _collect(ids, tokens, hiddens) -> GenerationOutput:
-    """Everything generated so far (every request reports at least once: when it finishes, or is aborted)."""
-    return GenerationOutput(ids=[torch.cat(tokens[rid]) if tokens[rid] else torch.empty(0, dtype=torch.int64)
-                                 for rid in ids],
-                            hiddens=[torch.cat(hiddens[rid]) if hiddens[rid] else torch.empty(0) for rid in ids])
+def _batches(stream: RequestStream) -> Iterator[list[RequestOutput]]:
+    """The stream's outputs, grouped as they arrived (one engine step's outputs usually come together)."""
+    while True:
+        batch = stream.next_batch()
+        if not batch:
+            return
+        yield batch
+
+
+def _aligned(rows: dict[str, list[np.ndarray]], audio: dict[str, AudioStream], order) -> np.ndarray | None:
+    """Take the samples every unfinished row has ([B, n]; finished rows padded with zeros), minus the columns
+    that are silent in every row; None if there is nothing to yield yet."""
+    for rid in order:
+        if len(rows[rid]) > 1:
+            rows[rid] = [np.concatenate(rows[rid])]
+    have = {rid: rows[rid][0].size if rows[rid] else 0 for rid in order}
+    live = [have[rid] for rid in order if not audio[rid].done]
+    n = min(live) if live else max(have.values())
+    if n == 0:
+        return None
+    chunk = np.zeros((len(order), n), dtype=np.float32)
+    for i, rid in enumerate(order):
+        if rows[rid]:
+            row = rows[rid][0]
+            chunk[i, : min(n, row.size)] = row[:n]
+            rows[rid] = [row[n:]] if row.size > n else []
+    chunk = chunk[:, (np.abs(chunk) > SILENCE).any(axis=0)]
+    return chunk if chunk.shape[1] else None
+
+
+def _bar(p: RefineTextParams, desc: str) -> tqdm:
+    return tqdm(total=p.max_new_token, desc=desc, disable=not p.show_tqdm)
+
+
+def _progress(bar: tqdm, out: RequestOutput) -> None:
+    """The bar follows the longest request of the call."""
+    if out.num_generated > bar.n:
+        bar.update(out.num_generated - bar.n)

@@ -8,24 +8,26 @@ import pytest
 import torch
 
 from chattts_velocity import Chat
+from chattts_velocity.audio import StreamConfig
 
 TEXTS = ["hello world, the text is short", "你好，是的。speech", "a b c"]
 ARGMAX = dict(temperature=1e-4, manual_seed=0, show_tqdm=False)
 
 
 def engine_is_idle(chat) -> bool:
-    bm = chat.engine.block_manager
-    return not chat.engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
+    assert chat.engine.wait_idle(timeout=30)
+    stats = chat.engine.stats().engine
+    return stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
 
 
 def test_velocity_codes_equal_reference_under_argmax(chat):
     p = Chat.InferCodeParams(max_new_token=30, min_new_token=5, **ARGMAX)
-    fast = list(chat._infer_code(list(TEXTS), False, p, velocity=True))[-1]
-    ref = list(chat._infer_code(list(TEXTS), False, p, velocity=False))[-1]
-    for i, (a, b) in enumerate(zip(fast.ids, ref.ids, strict=True)):
-        assert torch.equal(a, b), f"text {i}: codes differ"
-    for i, (a, b) in enumerate(zip(fast.hiddens, ref.hiddens, strict=True)):
-        assert (a - b).abs().max().item() <= 1e-4, f"text {i}: hidden states differ"
+    fast = chat._velocity.codes(list(TEXTS), p)
+    ref = list(chat._reference.infer_code(list(TEXTS), False, p))[-1]
+    for i, (a, b) in enumerate(zip(fast, ref.ids, strict=True)):
+        assert torch.equal(a.ids, b), f"text {i}: codes differ"
+    for i, (a, b) in enumerate(zip(fast, ref.hiddens, strict=True)):
+        assert (a.hidden - b).abs().max().item() <= 1e-4, f"text {i}: hidden states differ"
     assert engine_is_idle(chat)
 
 
@@ -60,19 +62,25 @@ def test_velocity_pipeline_with_refine_split_and_speaker(chat):
     assert engine_is_idle(chat)
 
 
-def test_velocity_stream_delivers_as_much_audio_as_the_offline_call(chat):
-    p = Chat.InferCodeParams(manual_seed=2, max_new_token=60, min_new_token=60, stream_batch=8,
-                             pass_first_n_batches=0, show_tqdm=False)
+def test_velocity_stream_matches_the_offline_call(chat):
+    p = Chat.InferCodeParams(manual_seed=2, max_new_token=60, min_new_token=60, show_tqdm=False)
     kw = dict(skip_refine_text=True, split_text=False, params_infer_code=p)
-    chunks = list(chat.infer(["stream this text"], stream=True, **kw))
-    # a chunk at least every max(stream_batch, decode window) tokens
-    assert len(chunks) >= 60 // max(8, chat.engine.config.num_decode_steps)
-    streamed = np.concatenate(chunks, axis=1)[0]
-    streamed = streamed[np.abs(streamed) > 1e-5]  # the offline call drops near-silent samples
     offline = chat.infer(["stream this text"], **kw)[0]
-    # Upstream's stream protocol re-decodes the growing sequence, so chunk edges differ from the offline wav,
-    # and near-silent samples (dropped by both) fall differently; the amount of audio must agree.
+    chunks = list(chat.infer(["stream this text"], stream=True, **kw))
+    cfg = chat._velocity.stream_config
+    # the first chunk holds first_chunk tokens of audio; then one chunk per `chunk` tokens, then the tail
+    assert chunks[0].shape[0] == 1 and chunks[0].shape[1] <= cfg.first_chunk * 512
+    assert len(chunks) >= 1 + (60 - cfg.first_chunk - cfg.lookahead) // cfg.chunk
+    streamed = np.concatenate(chunks, axis=1)[0]
+    # a bounded context moves samples near the silence threshold, which both paths drop
     assert abs(streamed.size - offline.size) <= 16 and offline.size > 50 * 480
+    exact = StreamConfig(left_context=52, lookahead=52, first_chunk=8, chunk=24)
+    saved, chat._velocity.stream_config = chat._velocity.stream_config, exact
+    try:
+        streamed = np.concatenate(list(chat.infer(["stream this text"], stream=True, **kw)), axis=1)[0]
+    finally:
+        chat._velocity.stream_config = saved
+    assert streamed.shape == offline.shape and np.allclose(streamed, offline, atol=1e-5)
 
 
 def test_abandoned_stream_leaves_the_engine_clean(chat):
@@ -89,7 +97,7 @@ def test_engine_settings_on_load(upstream_ckpt):
     chat = Chat()
     chat.load(source="custom", custom_path=upstream_ckpt, device="cpu", block_size=8, num_kv_blocks=40,
               max_num_seqs=2, max_num_batched_tokens=32, enable_prefix_caching=False)
-    engine = chat.engine
+    engine = chat.engine.engine
     assert engine.block_manager.num_blocks == 40 and engine.block_manager.block_size == 8
     assert engine.scheduler.max_num_seqs == 2 and engine.scheduler.max_num_batched_tokens == 32
     assert not engine.block_manager.enable_prefix_caching

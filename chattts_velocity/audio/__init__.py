@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from .decode import AudioDecoder
 from .dvae import DVAE, ConvStackConfig, DVAEConfig
+from .stream import AudioStream, StreamConfig, Window, decode_windows
 from .vocoder import load_vocos, vocos_state_dict_config
 
-__all__ = ["DVAE", "AudioDecoder", "ConvStackConfig", "DVAEConfig", "load_vocos", "vocos_state_dict_config"]
+__all__ = [
+    "DVAE",
+    "AudioDecoder",
+    "AudioStream",
+    "ConvStackConfig",
+    "DVAEConfig",
+    "StreamConfig",
+    "Window",
+    "decode_windows",
+    "load_vocos",
+    "vocos_state_dict_config",
+]

@@ -1,6 +1,13 @@
 """The velocity engine: paged KV cache, continuous batching, per-request ChatTTS sampling."""
 
-from .async_engine import AsyncLLMEngine, AsyncStats, EngineShutdownError, RequestError, RequestStream, RequestTimes
+from .async_engine import (
+           AsyncLLMEngine,
+           AsyncStats,
+           EngineShutdownError,
+           RequestError,
+           RequestStream,
+           RequestTimes,
+)
 from .config import EngineConfig
 from .llm import LLM
 from .llm_engine import EngineStats, LLMEngine

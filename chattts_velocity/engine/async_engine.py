@@ -9,10 +9,12 @@ request's blocks within one step. A failed request's stream raises ``RequestErro
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -85,10 +87,19 @@ class RequestStream:
         if times.first_audio is None:
             times.first_audio = time.monotonic()
 
+    def abort(self) -> None:
+        """Abort the requests that have not finished; their final outputs (finish reason ``abort``, with what
+        was generated so far) still arrive on the stream."""
+        with self._cond:
+            pending = list(self._pending)
+        for rid in pending:
+            self._engine.abort(rid)
+
     def close(self) -> None:
-        """Abort the requests of this stream that have not finished (no-op once all finished)."""
+        """Abort the unfinished requests and stop reading: nothing more arrives (no-op once all finished)."""
         with self._cond:
             pending, self._pending = list(self._pending), set()
+            self._items.clear()
         for rid in pending:
             self._engine.abort(rid)
 
@@ -113,6 +124,20 @@ class RequestStream:
                     raise StopIteration
                 self._cond.wait()
             return self._check(self._items.popleft())
+
+    def next_batch(self) -> list[RequestOutput]:
+        """Block until outputs are there and take them all (what one engine step produced, usually); an
+        empty list once every request finished and was read. Raises ``RequestError`` like iteration does,
+        after the outputs before the failed one were taken (they are returned by the next call)."""
+        with self._cond:
+            while not self._items and self._pending:
+                self._cond.wait()
+            batch = []
+            while self._items:
+                if self._items[0].error is not None and batch:
+                    break
+                batch.append(self._check(self._items.popleft()))
+            return batch
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
@@ -170,6 +195,9 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._drain = True
+        self._idle = True
+        """No request queued, running or being aborted (updated by the engine thread)."""
+        _ENGINES.add(self)
 
     @property
     def max_model_len(self) -> int:
@@ -235,6 +263,11 @@ class AsyncLLMEngine:
                 requests[rid] = stream.times[rid]
             return AsyncStats(engine=self._stats, num_requests=self._num_requests, requests=requests)
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every request finished and every abort was applied (blocks freed); False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._idle and not (self._new or self._aborts), timeout)
+
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Take no new requests; with ``drain`` finish the queued and running ones, else abort them. Waits up
         to ``timeout`` seconds for the engine thread."""
@@ -257,12 +290,17 @@ class AsyncLLMEngine:
         engine = self.engine
         while True:
             with self._lock:
+                self._idle = not engine.has_unfinished_requests()
+                if self._idle:
+                    self._lock.notify_all()
                 while not (self._new or self._aborts or engine.has_unfinished_requests() or self._stopping):
                     self._lock.wait()
                 if self._stopping and not (self._new or self._aborts or engine.has_unfinished_requests()):
+                    self._lock.notify_all()
                     return
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
+                self._idle = False
             for seq, _ in new:
                 engine.add_sequence(seq)
             for rid in aborts:
@@ -294,3 +332,13 @@ class AsyncLLMEngine:
             outputs.append(RequestOutput(rid, new_token_ids=torch.empty(0, dtype=torch.int64), new_hidden_states=None,
                                          num_generated=0, finished=True, finish_reason=FinishReason.ERROR, error=err))
         return outputs
+
+
+_ENGINES: weakref.WeakSet[AsyncLLMEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At exit, stop engine threads before the interpreter (and torch) tear down under them."""
+    for engine in list(_ENGINES):
+        engine.shutdown(drain=False, timeout=5)

@@ -1,0 +1,192 @@
+"""Incremental streaming decode: every chunk of GPT tokens is decoded once, with a bounded left context and
+look-ahead, and keeps only its own samples, so a stream's decode work is linear in its length (re-decoding the
+whole utterance at every chunk is quadratic).
+
+Why this is (almost) exact: the Decoder/DVAE (k3 input convs, dilated k7 ConvNeXt blocks, k3 output conv) and
+Vocos (k7 ConvNeXt stack, centred iSTFT) are convolutional with a finite receptive field, so a sample only
+depends on the tokens within that field around it. A chunk decoded with L tokens of left context and R of
+look-ahead equals the offline audio once L and R cover the field, and is close well before that;
+``python benchmarks/stream_snr.py`` measures the SNR per L = R and the receptive field of full-size weights.
+
+Sample alignment: global sample s of the offline wav belongs to token s // 512; a chunk [start, end) owns samples
+[512 start, 512 end), except that a stream's final chunk stops at the offline length (2T - 1) * 256. A window of
+W tokens from ctx_start decodes to (2W - 1) * 256 samples, local sample i being global sample 512 ctx_start + i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..config import SAMPLES_PER_TOKEN
+from .decode import AudioDecoder
+from .dvae import HOP_LENGTH
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """How a stream is cut into decode windows."""
+
+    left_context: int = 16
+    """L: tokens before the chunk decoded with it (>= 0); the chunk's start is exact once L covers the field."""
+    lookahead: int = 8
+    """R: tokens after the chunk that must exist before it is decoded (>= 0): latency traded for accuracy."""
+    first_chunk: int = 8
+    """Tokens in the first chunk (>= 1): first audio after first_chunk + lookahead tokens."""
+    chunk: int = 24
+    """Tokens in every later chunk (>= 1): larger chunks spend less work on context, arrive later."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("left_context", 0), ("lookahead", 0), ("first_chunk", 1), ("chunk", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"StreamConfig.{name} must be an int >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class Window:
+    """One decode job: ``tokens[ctx_start:ctx_end]`` of one stream, of which the chunk [start, end) is kept."""
+
+    stream: AudioStream
+    """The stream whose ``accept`` takes the decoded samples."""
+    tokens: Tensor
+    """[W, C] the window's input (hidden states or codes); one zero token is appended when there is no token
+    after a non-final chunk (lookahead 0), because W tokens decode 256 samples short of 512 W."""
+    start: int
+    """First token of the chunk (global index)."""
+    end: int
+    """One past the chunk's last token."""
+    ctx_start: int
+    """First token decoded: start - left_context, clipped at 0."""
+    ctx_end: int
+    """One past the last real token decoded: end + lookahead, clipped at the stream's end once it finished."""
+    final: bool
+    """The last window of its stream: its samples stop at the offline length."""
+
+
+class AudioStream:
+    """One request's incremental decoder state: the tokens pushed so far (only those still needed as context),
+    which chunks have been handed out as windows, and which have been emitted as audio."""
+
+    def __init__(self, config: StreamConfig | None = None):
+        self.config = config or StreamConfig()
+        self.decoded_tokens = 0  # tokens run through the decoder (sum of window lengths): the decode work
+        self._tokens: Tensor | None = None  # [k, C] tokens from global index self._base on
+        self._base = 0
+        self._pending: list[Tensor] = []  # pushed since the last ready(): concatenated once, there
+        self._total = 0  # tokens pushed
+        self._planned = 0  # tokens covered by windows that ready() returned
+        self._emitted = 0  # tokens whose samples accept() returned
+        self._finished = False
+
+    @property
+    def done(self) -> bool:
+        """The request finished and every token's samples were emitted."""
+        return self._finished and self._emitted == self._total
+
+    def push(self, tokens: Tensor, finished: bool = False) -> None:
+        """Append [n, C] new tokens (n may be 0; C, dtype and device fixed by the first non-empty push). ``finished``: the
+        request ended, so everything left is decodable without look-ahead. The tensor is read at the next
+        ``ready()``: do not overwrite it before."""
+        if self._finished:
+            raise ValueError("push after finished=True: this request has ended; start a new AudioStream")
+        self._check(tokens)
+        if tokens.shape[0]:
+            self._pending.append(tokens)
+            self._total += tokens.shape[0]
+        self._finished = finished
+
+    def ready(self) -> list[Window]:
+        """Every window decodable now, in order; they leave the plan (the next call returns the next ones)."""
+        self._gather()
+        windows = []
+        while (window := self._next_window()) is not None:
+            windows.append(window)
+            self._planned = window.end
+            self.decoded_tokens += window.tokens.shape[0]
+        self._drop_old_tokens()
+        return windows
+
+    def accept(self, window: Window, wav: np.ndarray) -> np.ndarray:
+        """``wav``: the decoded window's (2W - 1) * 256 samples -> the chunk's own samples, float32 1-D.
+        Windows must be accepted in the order ``ready`` returned them, so the outputs concatenate."""
+        if window.stream is not self:
+            raise ValueError("accept got a window of another AudioStream")
+        if window.start != self._emitted:
+            raise ValueError(
+                f"accept windows in the order ready() returned them: expected the chunk starting at token "
+                f"{self._emitted}, got {window.start}"
+            )
+        want = (2 * window.tokens.shape[0] - 1) * HOP_LENGTH
+        if not isinstance(wav, np.ndarray) or wav.shape != (want,):
+            got = tuple(wav.shape) if isinstance(wav, np.ndarray) else type(wav).__name__
+            raise ValueError(f"wav must be a 1-D numpy array of {want} samples for this window, got {got}")
+        first = SAMPLES_PER_TOKEN * window.start
+        stop = SAMPLES_PER_TOKEN * window.end   # global samples
+        base = SAMPLES_PER_TOKEN * window.ctx_start  # global index of wav[0]
+        self._emitted = window.end
+        return np.array(wav[first - base : stop - base], dtype=np.float32)
+
+    def _check(self, tokens: Tensor) -> None:
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[1] == 0:
+            got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens must be a 2-D tensor [n, C] (hidden states or codes), got {got}")
+        like = self._pending[0] if self._pending else self._tokens
+        if like is None:
+            return
+        if (tokens.shape[1], tokens.dtype, tokens.device) != (like.shape[1], like.dtype, like.device):
+            got = f"[{tokens.shape[0]}, {tokens.shape[1]}] {tokens.dtype} on {tokens.device}"
+            raise ValueError(
+                f"tokens must be [n, {like.shape[1]}] {like.dtype} on {like.device} like the first "
+                f"push, got {got}"
+            )
+
+    def _gather(self) -> None:
+        """Concatenate the pending pushes onto the kept tokens (one copy per ready(), bounded by the chunk
+        plan's context rather than by the stream's length)."""
+        if self._pending:
+            kept = [] if self._tokens is None else [self._tokens]
+            self._tokens = torch.cat(kept + self._pending)  # [k, C]
+            self._pending = []
+
+    def _next_window(self) -> Window | None:
+        c, start, total = self.config, self._planned, self._total
+        size = c.first_chunk if start == 0 else c.chunk
+        if not self._finished and start + size + c.lookahead > total:
+            return None
+        end = min(start + size, total)
+        if end == start:
+            return None
+        ctx_start, ctx_end = max(0, start - c.left_context), min(end + c.lookahead, total)
+        final = self._finished and end == total
+        tokens = self._tokens[ctx_start - self._base : ctx_end - self._base]  # [W, C]
+        if ctx_end == end and not final:  # lookahead 0: pad as to_wavs pads shorter sequences
+            tokens = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])  # [W + 1, C]
+        return Window(self, tokens, start, end, ctx_start, ctx_end, final)
+
+    def _drop_old_tokens(self) -> None:
+        """Keep only the tokens the next window can read: from its left context on."""
+        keep = max(0, self._planned - self.config.left_context)
+        if self._tokens is not None and keep > self._base:
+            self._tokens = self._tokens[keep - self._base :]
+            self._base = keep
+
+
+def decode_windows(
+    audio: AudioDecoder, windows: list[Window], use_decoder: bool, tf32: bool | None = None
+) -> list[np.ndarray]:
+    """Decode many windows (of many streams) in as few Decoder+Vocos calls as possible: windows of equal length
+    share one batched ``AudioDecoder.to_wavs`` call (so no zero padding reaches their audio); returns each
+    window's (2W - 1) * 256 samples, in order, for ``Window.stream.accept``."""
+    by_len: dict[int, list[int]] = {}
+    for i, window in enumerate(windows):
+        by_len.setdefault(window.tokens.shape[0], []).append(i)
+    wavs: list[np.ndarray | None] = [None] * len(windows)
+    for idx in by_len.values():
+        batch = audio.to_wavs([windows[i].tokens for i in idx], use_decoder, tf32)  # [B, (2W - 1) * 256]
+        for i, wav in zip(idx, batch, strict=True):
+            wavs[i] = wav
+    return wavs

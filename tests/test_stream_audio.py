@@ -1,0 +1,219 @@
+"""Incremental streaming decode (chattts_velocity.audio.stream) on the tiny random checkpoint: streamed audio
+against the offline decode for many push patterns, linear decode work, cross-stream batching, first-audio
+latency, and the errors for misuse."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from chattts_velocity.audio import AudioStream, StreamConfig, Window, decode_windows
+from chattts_velocity.config import SAMPLES_PER_TOKEN
+
+DEFAULT = StreamConfig()
+EXACT = StreamConfig(left_context=52, lookahead=52)
+
+
+def _tokens(chat, n: int, use_decoder: bool, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if use_decoder:
+        return torch.randn(n, chat.model.config.hidden_size, generator=gen)  # [n, H]
+    return torch.randint(0, 625, (n, 4), generator=gen)  # [n, 4]
+
+
+def _pieces(n: int, pattern: str, seed: int = 0) -> list[int]:
+    """Push sizes adding up to n: one token at a time, random sizes (zeros included), or all at once."""
+    if pattern == "one":
+        return [1] * n
+    if pattern == "all":
+        return [n]
+    rng, sizes = np.random.default_rng(seed), []
+    while sum(sizes) < n:
+        sizes.append(min(int(rng.integers(0, 40)), n - sum(sizes)))
+    return sizes
+
+
+def _stream(
+    chat, tokens, use_decoder: bool, config: StreamConfig = DEFAULT, pattern: str = "all", seed: int = 0
+):
+    """Push ``tokens`` in pieces, decoding whatever is ready after each push; -> (wav, stream)."""
+    stream, out, at = AudioStream(config), [], 0
+    for size in _pieces(tokens.shape[0], pattern, seed):
+        stream.push(tokens[at : at + size])
+        at += size
+        out += _decode(chat, stream.ready(), use_decoder)
+    stream.push(tokens[:0], finished=True)
+    out += _decode(chat, stream.ready(), use_decoder)
+    assert stream.done
+    return np.concatenate(out) if out else np.zeros(0, np.float32), stream
+
+
+def _decode(chat, windows: list[Window], use_decoder: bool) -> list[np.ndarray]:
+    wavs = decode_windows(chat.audio, windows, use_decoder)
+    return [w.stream.accept(w, wav) for w, wav in zip(windows, wavs, strict=True)]
+
+
+def _offline(chat, tokens, use_decoder: bool) -> np.ndarray:
+    return chat.audio.to_wavs([tokens], use_decoder)[0]
+
+
+def _snr_db(ref: np.ndarray, got: np.ndarray) -> float:
+    err = np.sum((ref.astype(np.float64) - got) ** 2)
+    return math.inf if err == 0 else 10 * math.log10(np.sum(ref.astype(np.float64) ** 2) / err)
+
+
+@pytest.mark.parametrize("use_decoder", [True, False])
+@pytest.mark.parametrize("pattern", ["one", "random", "all"])
+def test_streamed_audio_matches_offline(chat, use_decoder, pattern):
+    tokens = _tokens(chat, 137, use_decoder)
+    ref = _offline(chat, tokens, use_decoder)
+    for config, floor in ((DEFAULT, 40), (EXACT, 100)):
+        wav, _ = _stream(chat, tokens, use_decoder, config, pattern)
+        assert wav.dtype == np.float32 and wav.shape == ref.shape
+        assert _snr_db(ref, wav) >= floor, (config, _snr_db(ref, wav))
+
+
+@pytest.mark.parametrize("use_decoder", [True, False])
+def test_too_little_context_is_audibly_wrong(chat, use_decoder):
+    """The SNR floors above bite: without context the chunk edges are far off the offline audio."""
+    tokens = _tokens(chat, 137, use_decoder)
+    wav, _ = _stream(chat, tokens, use_decoder, StreamConfig(left_context=2, lookahead=2))
+    assert _snr_db(_offline(chat, tokens, use_decoder), wav) < 40
+
+
+@pytest.mark.parametrize(
+    "config",
+    [StreamConfig(0, 0), StreamConfig(0, 3), StreamConfig(3, 0), StreamConfig(5, 1, first_chunk=1, chunk=1)],
+    ids=["L0R0", "L0R3", "L3R0", "chunk1"],
+)
+@pytest.mark.parametrize("n", [1, 2, 7, 30, 61])
+def test_length_matches_offline_for_any_config(chat, config, n):
+    tokens = _tokens(chat, n, use_decoder=False, seed=n)
+    wav, _ = _stream(chat, tokens, False, config, "random", seed=n)
+    assert wav.shape == ((2 * n - 1) * SAMPLES_PER_TOKEN // 2,)
+
+
+def test_decode_work_is_linear_in_length():
+    c = DEFAULT
+
+    def work(n: int) -> int:
+        stream = AudioStream(c)
+        for i in range(n):
+            stream.push(torch.zeros(1, 4, dtype=torch.long), finished=i == n - 1)
+            stream.ready()
+        return stream.decoded_tokens
+
+    def bound(n: int) -> float:
+        return n * (1 + (c.left_context + c.lookahead) / c.chunk) + c.chunk + c.lookahead
+
+    def quadratic(n: int) -> int:  # today's streaming: re-decode everything so far at every chunk
+        return sum(min(end, n) for end in range(c.first_chunk, n + c.chunk, c.chunk))
+
+    for n in (200, 800):
+        assert n <= work(n) <= bound(n), (n, work(n), bound(n))
+    # the marginal cost per token is the chunk's share of its window, whatever the length
+    assert (work(800) - work(200)) / 600 <= 1 + (c.left_context + c.lookahead) / c.chunk
+    assert quadratic(800) > 4 * bound(800)
+
+
+def test_batched_windows_equal_each_stream_alone(chat, monkeypatch):
+    """Streams advance in lockstep (same push sizes), so their windows come due together; different lengths
+    and one different first chunk make several window lengths per step."""
+    lengths, firsts = (90, 41, 5, 128), (8, 8, 8, 13)
+    inputs = [_tokens(chat, n, use_decoder=True, seed=i) for i, n in enumerate(lengths)]
+    streams = [AudioStream(StreamConfig(first_chunk=f, chunk=20)) for f in firsts]
+    alone = [_stream(chat, x, True, s.config)[0] for x, s in zip(inputs, streams, strict=True)]
+    calls, to_wavs = [], chat.audio.to_wavs
+
+    def counting_to_wavs(batch, *args, **kwargs):
+        calls.append(len(batch))
+        return to_wavs(batch, *args, **kwargs)
+
+    monkeypatch.setattr(chat.audio, "to_wavs", counting_to_wavs)
+    outs, at, step = [[] for _ in streams], 0, 0
+    while not all(s.done for s in streams):
+        size, windows = 1 + (step * 7) % 17, []
+        for s, x, n in zip(streams, inputs, lengths, strict=True):
+            if not s.done:
+                s.push(x[at : at + size], finished=at + size >= n)
+            windows += s.ready()
+        at, step, n_calls = at + size, step + 1, len(calls)
+        for w, wav in zip(windows, decode_windows(chat.audio, windows, True), strict=True):
+            outs[streams.index(w.stream)].append(w.stream.accept(w, wav))
+        assert len(calls) - n_calls == len({w.tokens.shape[0] for w in windows})
+    assert max(calls) > 1  # some calls did batch windows of several streams
+    for got, want in zip(outs, alone, strict=True):
+        np.testing.assert_allclose(np.concatenate(got), want, rtol=0, atol=1e-5)
+
+
+def test_first_audio_after_first_chunk_plus_lookahead():
+    stream = AudioStream(StreamConfig(first_chunk=8, lookahead=8))
+    for _ in range(15):
+        stream.push(torch.zeros(1, 4, dtype=torch.long))
+        assert stream.ready() == []
+    stream.push(torch.zeros(1, 4, dtype=torch.long))
+    (window,) = stream.ready()
+    assert (window.start, window.end, window.ctx_start, window.ctx_end) == (0, 8, 0, 16)
+    assert not window.final and window.tokens.shape == (16, 4)
+
+
+def test_stream_finishing_without_tokens_emits_nothing():
+    stream = AudioStream()
+    stream.push(torch.zeros(0, 4, dtype=torch.long), finished=True)
+    assert stream.ready() == [] and stream.done and stream.decoded_tokens == 0
+
+
+@pytest.mark.parametrize("n", [1, 3, 7])
+def test_stream_shorter_than_first_chunk_is_one_final_window(chat, n):
+    tokens = _tokens(chat, n, use_decoder=True)
+    stream = AudioStream()
+    stream.push(tokens)
+    assert stream.ready() == []
+    stream.push(tokens[:0], finished=True)  # finished pushed with no new tokens
+    (window,) = stream.ready()
+    assert window.final and (window.start, window.end) == (0, n)
+    wav = stream.accept(window, decode_windows(chat.audio, [window], True)[0])
+    np.testing.assert_allclose(wav, _offline(chat, tokens, True), rtol=0, atol=1e-6)
+    assert stream.done
+
+
+def test_push_errors():
+    stream = AudioStream()
+    for bad in (torch.zeros(4), torch.zeros(1, 2, 4), torch.zeros(3, 0), np.zeros((3, 4))):
+        with pytest.raises(ValueError, match="2-D tensor"):
+            stream.push(bad)
+    stream.push(torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[n, 4\] torch.int64"):
+        stream.push(torch.zeros(3, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[n, 4\] torch.int64"):
+        stream.push(torch.zeros(3, 4))
+    stream.push(torch.zeros(0, 4, dtype=torch.long), finished=True)
+    with pytest.raises(ValueError, match="push after finished"):
+        stream.push(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_accept_errors():
+    streams = [AudioStream(StreamConfig(first_chunk=2, chunk=2, lookahead=0)) for _ in range(2)]
+    for s in streams:
+        s.push(torch.zeros(6, 4, dtype=torch.long), finished=True)
+    first, second, third = streams[0].ready()
+    good = np.zeros((2 * first.tokens.shape[0] - 1) * 256, np.float32)
+    with pytest.raises(ValueError, match="another AudioStream"):
+        streams[1].accept(first, good)
+    with pytest.raises(ValueError, match="in the order ready"):
+        streams[0].accept(second, np.zeros((2 * second.tokens.shape[0] - 1) * 256, np.float32))
+    with pytest.raises(ValueError, match=f"{good.size} samples"):
+        streams[0].accept(first, good[:-1])
+    assert streams[0].accept(first, good).shape == (2 * SAMPLES_PER_TOKEN,)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("left_context", -1), ("lookahead", -2), ("first_chunk", 0), ("chunk", 0), ("chunk", 2.0)],
+)
+def test_stream_config_rejects_out_of_range(field, value):
+    with pytest.raises(ValueError, match=f"StreamConfig.{field} must be an int >= "):
+        StreamConfig(**{field: value})
