@@ -69,6 +69,16 @@ def _bench_config(args: argparse.Namespace) -> BenchConfig:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.mode == "stream":
+        from .bench.stream import StreamBenchConfig
+        from .bench.stream import run_and_report as run_stream
+
+        run_stream(StreamBenchConfig(
+            streams=tuple(args.streams), tokens=args.tokens, size=args.size, device=args.device, dtype=args.dtype,
+            reference_max_streams=0 if args.skip_reference else args.reference_max_batch,
+            json_path=args.json if args.json != "bench.json" else "bench_stream.json",
+        ))
+        return 0
     from .bench.runner import run_and_report
 
     run_and_report(_bench_config(args))
@@ -83,6 +93,11 @@ def _add_bench_parser(sub) -> None:
                                    "random weights and prompt: per-step latency, tokens/s, audio seconds per "
                                    "second (GPT alone and with the wav decode), time to first audio and peak "
                                    "memory.")
+    b.add_argument("mode", nargs="?", default="engine", choices=["engine", "stream"],
+                   help="engine: decode speed of both paths (default); stream: concurrent streaming calls, time "
+                        "to first audio and real-time factor, velocity vs upstream-style reference streaming")
+    b.add_argument("--streams", type=int, nargs="+", default=[1, 8, 64, 256],
+                   help="stream mode: concurrent streams per variant (default: 1 8 64 256)")
     b.add_argument("--size", default="full", choices=SIZES, help="full (real shapes) or tiny random weights")
     b.add_argument("--batch", type=int, nargs="+", default=list(DEFAULT_BATCHES),
                    help="batch sizes: concurrent requests submitted at once (default: 1 16 64 256)")

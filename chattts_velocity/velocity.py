@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .audio import AudioStream, StreamConfig, decode_windows
+from .audio import AudioStream, StreamConfig, WindowBatcher
 from .engine import AsyncLLMEngine, Mode, Prompt, RequestOutput, RequestStream, SamplingParams
 from .params import InferCodeParams, RefineTextParams
 
@@ -52,6 +52,8 @@ class VelocityPath:
         self.model = model
         self.audio = audio
         self.stream_config = stream_config
+        self.batcher = WindowBatcher(audio)
+        """Decodes the stream windows of all concurrent calls together."""
         self._live: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self._lock = threading.Lock()
 
@@ -95,7 +97,7 @@ class VelocityPath:
                     new = out.new_hidden_states if use_decoder else out.new_token_ids
                     audio[out.request_id].push(new, finished=out.finished)
                 windows = [w for a in audio.values() for w in a.ready()]
-                for window, wav in zip(windows, decode_windows(self.audio, windows, use_decoder), strict=True):
+                for window, wav in zip(windows, self.batcher.decode(windows, use_decoder), strict=True):
                     rid = owner[id(window.stream)]
                     rows[rid].append(window.stream.accept(window, wav))
                     stream.mark_first_audio(rid)

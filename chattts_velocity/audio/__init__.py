@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .batcher import WindowBatcher
 from .decode import AudioDecoder
 from .dvae import DVAE, ConvStackConfig, DVAEConfig
 from .stream import AudioStream, StreamConfig, Window, decode_windows
@@ -15,6 +16,7 @@ __all__ = [
     "DVAEConfig",
     "StreamConfig",
     "Window",
+    "WindowBatcher",
     "decode_windows",
     "load_vocos",
     "vocos_state_dict_config",

@@ -125,10 +125,12 @@ class AudioStream:
             got = tuple(wav.shape) if isinstance(wav, np.ndarray) else type(wav).__name__
             raise ValueError(f"wav must be a 1-D numpy array of {want} samples for this window, got {got}")
         first = SAMPLES_PER_TOKEN * window.start
-        stop = SAMPLES_PER_TOKEN * window.end   # global samples
+        stop = SAMPLES_PER_TOKEN * window.end - (HOP_LENGTH if window.final else 0)  # global samples
         base = SAMPLES_PER_TOKEN * window.ctx_start  # global index of wav[0]
+        own = np.array(wav[first - base : stop - base], dtype=np.float32)
+        assert own.size == stop - first, "a window must cover its chunk's samples"
         self._emitted = window.end
-        return np.array(wav[first - base : stop - base], dtype=np.float32)
+        return own
 
     def _check(self, tokens: Tensor) -> None:
         if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[1] == 0:

@@ -1,0 +1,178 @@
+"""``chattts-velocity bench stream``: N concurrent streaming ``Chat.infer`` calls, as N users of one process
+would make them (one thread each, all started together), on the velocity path; beside them, in the same run,
+upstream-style streaming on the reference path (one batched call of N texts re-decoding the growing audio).
+
+Per stream: time to first audio (call to the first chunk in hand), real-time factor (seconds of audio over
+the stream's wall time) and whether playback started at the first chunk would ever run dry (an underrun: a
+chunk arriving after the audio before it has played)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from ..config import SAMPLE_RATE
+
+TEXT = "Streaming speech for many users at once, chunk by chunk."
+
+
+@dataclass(frozen=True)
+class StreamBenchConfig:
+    """One ``bench stream`` run."""
+
+    streams: tuple[int, ...] = (1, 8, 64, 256)
+    """Concurrent streams per variant."""
+    tokens: int = 500
+    """Audio tokens per stream, exactly (EOS masked until then)."""
+    size: str = "full"
+    """``full`` random weights of the real shapes, or ``tiny``."""
+    device: str | None = None
+    dtype: str | None = None
+    """Engine dtype; None: float16 on CUDA, float32 on CPU."""
+    reference_max_streams: int | None = None
+    """Run the reference only up to this many streams; None: every variant."""
+    json_path: str | None = "bench_stream.json"
+
+    def __post_init__(self) -> None:
+        if not self.streams or any(not isinstance(n, int) or n < 1 for n in self.streams):
+            raise ValueError(f"--streams must be ints >= 1, got {self.streams!r}")
+        if not isinstance(self.tokens, int) or self.tokens < 1:
+            raise ValueError(f"--tokens must be an int >= 1, got {self.tokens!r}")
+        if self.size not in ("full", "tiny"):
+            raise ValueError(f"--size must be full or tiny, got {self.size!r}")
+
+
+@dataclass
+class StreamRecord:
+    """Wall-clock times (seconds from the stream's call) of one stream's chunks."""
+
+    arrivals: list[float] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    end: float = 0.0
+
+    def audio_s(self) -> float:
+        return sum(self.samples) / SAMPLE_RATE
+
+    def underrun(self) -> bool:
+        """Playback from the first chunk on would wait for a later chunk."""
+        if not self.arrivals:
+            return True
+        played = np.cumsum([0, *self.samples[:-1]]) / SAMPLE_RATE  # audio ahead of each chunk
+        return bool(np.any(np.array(self.arrivals) - self.arrivals[0] > played + 1e-3))
+
+
+def load_chat(cfg: StreamBenchConfig, max_streams: int):
+    from .. import Chat
+    from ..model.checkpoint import write_checkpoint
+
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = cfg.dtype or ("float16" if device.type == "cuda" else "float32")
+    chat = Chat()
+    kw = dict(device=device, engine_dtype=dtype, max_num_seqs=max(max_streams, 1))
+    if cfg.size == "full":
+        chat.load(load_format="dummy", **kw)
+    else:
+        with tempfile.TemporaryDirectory() as root:
+            write_checkpoint(root, "tiny", seed=0)
+            chat.load(source="custom", custom_path=root, **kw)
+    return chat
+
+
+def _params(chat, tokens: int, seed: int):
+    return chat.InferCodeParams(manual_seed=seed, max_new_token=tokens, min_new_token=tokens, show_tqdm=False)
+
+
+def velocity_streams(chat, n: int, tokens: int) -> list[StreamRecord]:
+    """``n`` threads, each streaming its own call; all start together."""
+    records = [StreamRecord() for _ in range(n)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        barrier.wait()
+        rec, start = records[i], time.perf_counter()
+        try:
+            for chunk in chat.infer([TEXT], stream=True, skip_refine_text=True, split_text=False,
+                                    params_infer_code=_params(chat, tokens, i)):
+                rec.arrivals.append(time.perf_counter() - start)
+                rec.samples.append(chunk.shape[1])
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+        rec.end = time.perf_counter() - start
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {n} streams failed") from errors[0]
+    return records
+
+
+def reference_streams(chat, n: int, tokens: int) -> list[StreamRecord]:
+    """Upstream's way: one batched call of ``n`` texts; every row's chunks arrive together."""
+    rec, start = StreamRecord(), time.perf_counter()
+    for chunk in chat.infer([TEXT] * n, stream=True, use_velocity=False, skip_refine_text=True, split_text=False,
+                            params_infer_code=_params(chat, tokens, 0)):
+        if chunk.shape[1]:
+            rec.arrivals.append(time.perf_counter() - start)
+            rec.samples.append(chunk.shape[1])
+    rec.end = time.perf_counter() - start
+    return [rec] * n
+
+
+def summarize(records: list[StreamRecord]) -> dict:
+    ttfa = [r.arrivals[0] if r.arrivals else float("nan") for r in records]
+    rtf = [r.audio_s() / r.end for r in records]
+    wall = max(r.end for r in records)
+    return dict(
+        streams=len(records), ttfa_p50_ms=1e3 * float(np.percentile(ttfa, 50)),
+        ttfa_p99_ms=1e3 * float(np.percentile(ttfa, 99)), rtf_min=min(rtf), rtf_p50=float(np.median(rtf)),
+        audio_s_per_s=sum(r.audio_s() for r in records) / wall, underruns=sum(r.underrun() for r in records),
+        chunks_p50=float(np.median([len(r.arrivals) for r in records])),
+    )
+
+
+def run_stream_bench(cfg: StreamBenchConfig) -> dict:
+    chat = load_chat(cfg, max(cfg.streams))
+    device = _device_name(chat.device)
+    try:
+        velocity_streams(chat, min(8, max(cfg.streams)), 64)  # warm-up: kernels, graphs, audio shapes
+        rows = []
+        for n in cfg.streams:
+            rows.append(dict(path="velocity", **summarize(velocity_streams(chat, n, cfg.tokens))))
+            if cfg.reference_max_streams is None or n <= cfg.reference_max_streams:
+                rows.append(dict(path="reference", **summarize(reference_streams(chat, n, cfg.tokens))))
+    finally:
+        chat.unload()
+    return dict(config=asdict(cfg), device=device, rows=rows)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def format_table(report: dict) -> str:
+    lines = ["| streams | path | first audio p50 ms | p99 ms | RTF min | RTF p50 | audio s/s | underruns |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['streams']} | {r['path']} | {r['ttfa_p50_ms']:.1f} | {r['ttfa_p99_ms']:.1f} | "
+                     f"{r['rtf_min']:.2f} | {r['rtf_p50']:.2f} | {r['audio_s_per_s']:.1f} | {r['underruns']} |")
+    return "\n".join(lines)
+
+
+def run_and_report(cfg: StreamBenchConfig) -> dict:
+    report = run_stream_bench(cfg)
+    print(f"device: {report['device']}, {cfg.tokens} tokens per stream")
+    print(format_table(report))
+    if cfg.json_path:
+        with open(cfg.json_path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return report
