@@ -217,3 +217,65 @@ def test_accept_errors():
 def test_stream_config_rejects_out_of_range(field, value):
     with pytest.raises(ValueError, match=f"StreamConfig.{field} must be an int >= "):
         StreamConfig(**{field: value})
+
+
+def test_chunks_grow_so_playback_never_waits_at_real_time():
+    """Each chunk is at most the audio already out: at a generation rate of exactly real time, the tokens of
+    the next chunk (plus look-ahead beyond what the previous chunk needed) are generated while the audio
+    before it plays."""
+    cfg = StreamConfig(left_context=16, lookahead=8, first_chunk=8, chunk=24)
+    stream = AudioStream(cfg)
+    stream.push(torch.zeros(200, 4, dtype=torch.int64), finished=True)
+    sizes = [w.end - w.start for w in stream.ready()]
+    assert sizes[:5] == [8, 8, 16, 24, 24] and sum(sizes) == 200
+    emitted = np.cumsum(sizes)
+    assert all(size <= out for size, out in zip(sizes[1:], emitted[:-1], strict=True))
+
+
+def test_window_batcher_decodes_concurrent_callers_together(chat):
+    """While one caller decodes, the others' windows queue up and the next leader decodes them all in one
+    round; every caller gets exactly its own samples."""
+    import threading
+
+    from chattts_velocity.audio import WindowBatcher
+
+    batcher = WindowBatcher(chat.audio)
+    streams = []
+    for i in range(6):
+        s = AudioStream(StreamConfig(first_chunk=8, lookahead=8))
+        s.push(_tokens(chat, 40, True, seed=i), finished=True)
+        streams.append(s)
+    jobs = [s.ready() for s in streams]
+    want = [decode_windows(chat.audio, windows, True) for windows in jobs]
+    gate, entered = threading.Event(), threading.Event()
+    original = chat.audio.to_wavs
+
+    def slow_first(*args, **kw):
+        if not entered.is_set():
+            entered.set()
+            gate.wait(10)
+        return original(*args, **kw)
+
+    chat.audio.to_wavs = slow_first
+    try:
+        got = [None] * len(jobs)
+
+        def run(i):
+            got[i] = batcher.decode(jobs[i], use_decoder=True)
+
+        first = threading.Thread(target=run, args=(0,))
+        first.start()
+        entered.wait(10)
+        others = [threading.Thread(target=run, args=(i,)) for i in range(1, len(jobs))]
+        for t in others:
+            t.start()
+        while sum(len(j.windows) for j in batcher._queue) < sum(len(w) for w in jobs[1:]):
+            threading.Event().wait(0.005)
+        gate.set()
+        for t in [first, *others]:
+            t.join(30)
+    finally:
+        del chat.audio.to_wavs
+    assert batcher.num_calls == 2, "the queued callers' windows should share one round"
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert len(g) == len(w) and all(np.allclose(a, b, atol=1e-5) for a, b in zip(g, w, strict=True)), i

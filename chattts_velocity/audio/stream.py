@@ -37,7 +37,9 @@ class StreamConfig:
     first_chunk: int = 8
     """Tokens in the first chunk (>= 1): first audio after first_chunk + lookahead tokens."""
     chunk: int = 24
-    """Tokens in every later chunk (>= 1): larger chunks spend less work on context, arrive later."""
+    """Most tokens in a later chunk (>= 1): larger chunks spend less work on context, arrive later. Chunks
+    grow up to it (each at most the tokens already emitted: 8, 8, 16, 24, ... by default), so a listener who
+    starts playing at the first chunk never waits for the next while generation keeps up with real time."""
 
     def __post_init__(self) -> None:
         for name, low in (("left_context", 0), ("lookahead", 0), ("first_chunk", 1), ("chunk", 1)):
@@ -88,9 +90,9 @@ class AudioStream:
         return self._finished and self._emitted == self._total
 
     def push(self, tokens: Tensor, finished: bool = False) -> None:
-        """Append [n, C] new tokens (n may be 0; C, dtype and device fixed by the first non-empty push). ``finished``: the
-        request ended, so everything left is decodable without look-ahead. The tensor is read at the next
-        ``ready()``: do not overwrite it before."""
+        """Append [n, C] new tokens (n may be 0; C, dtype and device are fixed by the first non-empty push).
+        ``finished``: the request ended, so everything left is decodable without look-ahead. The tensor is read
+        at the next ``ready()``: do not overwrite it before."""
         if self._finished:
             raise ValueError("push after finished=True: this request has ended; start a new AudioStream")
         self._check(tokens)
@@ -156,7 +158,9 @@ class AudioStream:
 
     def _next_window(self) -> Window | None:
         c, start, total = self.config, self._planned, self._total
-        size = c.first_chunk if start == 0 else c.chunk
+        # a chunk is never longer than the audio already out, so playback that starts with the first chunk
+        # does not run dry while the next one is generated at real time or faster
+        size = c.first_chunk if start == 0 else min(c.chunk, start)
         if not self._finished and start + size + c.lookahead > total:
             return None
         end = min(start + size, total)
