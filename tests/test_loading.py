@@ -169,3 +169,16 @@ def test_dummy_weights_have_the_full_shapes():
                       params_infer_code=chat.InferCodeParams(manual_seed=0, max_new_token=3, show_tqdm=False,
                                                              spk_emb=chat.sample_random_speaker()))
     assert wavs[0].dtype.name == "float32" and wavs[0].size > 0
+    # the same construction as a loaded checkpoint: T tokens decode to (2T - 1) * 256 samples, not 512 T
+    tokens = torch.zeros(5, cfg.hidden_size)
+    assert chat.audio.to_wavs([tokens], use_decoder=True).shape == (1, (2 * 5 - 1) * 256)
+
+
+def test_dummy_and_loaded_vocos_are_built_alike(tiny_dir):
+    from chattts_velocity.audio import load_vocos
+    from chattts_velocity.model.checkpoint import TINY, build_modules
+
+    built = build_modules(TINY, 3, tokenizer_dir=str(tiny_dir / "tok")).vocos
+    loaded = load_vocos(str(tiny_dir / "asset" / "Vocos.safetensors"), "cpu")
+    mel = torch.randn(1, 100, 12)
+    assert built.decode(mel).shape == loaded.decode(mel).shape == (1, 11 * 256)

@@ -36,19 +36,20 @@ def vocos_state_dict_config(sd: dict[str, Tensor], name: str = "Vocos.safetensor
         n_fft=n_fft,
         hop_length=HOP_LENGTH,
     )
-    check_state_dict(_build(config, torch.device("meta")), sd, name)
+    check_state_dict(build_vocos(config, torch.device("meta")), sd, name)
     return config
 
 
 def load_vocos(path: str, device: torch.device | str) -> Vocos:
     """Load an upstream Vocos safetensors file (sizes inferred), in eval mode on ``device``."""
     sd = read_safetensors(path)
-    vocos = _build(vocos_state_dict_config(sd, os.path.basename(path)), torch.device("cpu"))
+    vocos = build_vocos(vocos_state_dict_config(sd, os.path.basename(path)), torch.device("cpu"))
     vocos.load_state_dict(sd, strict=True)
     return vocos.to(device).eval()
 
 
-def _build(config: dict[str, int], device: torch.device) -> Vocos:
+def build_vocos(config: dict[str, int], device: torch.device) -> Vocos:
+    """An untrained Vocos of ``config``'s sizes (``vocos_state_dict_config``), as upstream builds it."""
     # torchaudio builds the mel filterbank with .item(), impossible on the meta device; it is small: use the CPU
     features = MelSpectrogramFeatures(
         sample_rate=SAMPLE_RATE, n_fft=config["n_fft"], hop_length=config["hop_length"],

@@ -74,16 +74,11 @@ def randomize_(module: torch.nn.Module, gen: torch.Generator, scale: float = 0.5
 
 
 def _vocos(sizes: dict):
-    from vocos import Vocos
-    from vocos.feature_extractors import MelSpectrogramFeatures
-    from vocos.heads import ISTFTHead
-    from vocos.models import VocosBackbone
+    """The same construction as loading ``Vocos.safetensors`` (centred iSTFT), so random weights decode to
+    the real model's wav lengths."""
+    from ..audio.vocoder import build_vocos
 
-    return Vocos(
-        feature_extractor=MelSpectrogramFeatures(sample_rate=24000, n_fft=1024, hop_length=256, n_mels=100),
-        backbone=VocosBackbone(input_channels=100, **sizes),
-        head=ISTFTHead(dim=sizes["dim"], n_fft=1024, hop_length=256),
-    )
+    return build_vocos(dict(input_channels=100, n_fft=1024, hop_length=256, **sizes), torch.device("cpu"))
 
 
 def build_modules(size: CheckpointSize, seed: int, tokenizer_dir: str) -> RandomModules:
