@@ -37,7 +37,7 @@ def engine_logits(model, dtype: str, ids, mask) -> torch.Tensor:
     """Code logits [T, V, 4] of every position of one prefill through the engine's core (paged KV)."""
     engine = LLMEngine.from_model(model, EngineConfig(dtype=dtype, num_kv_blocks=64, max_num_seqs=4,
                                                       max_num_batched_tokens=4096, num_decode_steps=1), "cuda")
-    seq = engine._new_sequence("tf", Prompt(ids, mask), SamplingParams())
+    seq = engine.make_sequence("tf", Prompt(ids, mask), SamplingParams())
     engine.block_manager.allocate(seq, len(seq))
     hidden, _ = engine.worker.runner.forward([ScheduledSeq(seq, len(seq))])
     engine.block_manager.free(seq)
