@@ -32,9 +32,18 @@ def main() -> None:
         return out
 
     batcher.decode = timed
+    reports: list[tuple[float, int]] = []  # engine outputs: (time, tokens generated so far)
+    dispatch = chat.engine._dispatch
+
+    def logged(outputs):
+        reports.extend((time.perf_counter(), out.num_generated) for out in outputs)
+        return dispatch(outputs)
+
+    chat.engine._dispatch = logged
     p = chat.InferCodeParams(manual_seed=0, max_new_token=args.tokens, min_new_token=args.tokens, show_tqdm=False)
     for run in range(args.runs + 1):
         decodes.clear()
+        reports.clear()
         start = time.perf_counter()
         arrivals = []
         for chunk in chat.infer([TEXT], stream=True, skip_refine_text=True, split_text=False, params_infer_code=p):
@@ -45,6 +54,7 @@ def main() -> None:
         print(f"{label}: first token {1e3 * (times.first_token - base):.1f} ms, first audio "
               f"{1e3 * (times.first_audio - base):.1f} ms, finished {1e3 * (times.finished - base):.1f} ms; "
               f"call -> first chunk {1e3 * arrivals[0][0]:.1f} ms, {len(arrivals)} chunks")
+        print("  engine outputs (ms, tokens):", [(round(1e3 * (t - start), 1), n) for t, n in reports[:8]])
         print("  decodes (start ms, took ms, windows):",
               [(round(1e3 * (s - start), 1), round(1e3 * (e - s), 1), n) for s, e, n in decodes[:6]])
     hidden = torch.randn(16, chat.model.config.hidden_size, device=chat.device)

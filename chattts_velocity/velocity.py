@@ -80,28 +80,21 @@ class VelocityPath:
     def speak(self, texts: list[str], p: InferCodeParams, use_decoder: bool) -> list[np.ndarray]:
         """Full wavs (not yet silence-stripped), each decoded at its own length."""
         results = self.codes(texts, p)
-        return self.audio.to_wav_list([g.hidden if use_decoder else g.ids for g in results], use_decoder)
+        with self.audio.stream():
+            return self.audio.to_wav_list([g.hidden if use_decoder else g.ids for g in results], use_decoder)
 
     def stream(self, texts: list[str], p: InferCodeParams, use_decoder: bool) -> Iterator[np.ndarray]:
         """[B, n] chunks of the texts' audio as it is generated, silence columns dropped as upstream does with
         its last chunk. Rows stay aligned: a chunk ends where the slowest unfinished row's audio ends."""
         stream = self._submit(self._code_prompts(texts, p), self._code_params(p))
-        audio = {rid: AudioStream(self.stream_config) for rid in stream.request_ids}
-        owner = {id(a): rid for rid, a in audio.items()}
-        rows = {rid: [] for rid in stream.request_ids}  # decoded samples per request, not yet yielded
+        call = _StreamingCall(stream, self.stream_config, self.batcher, use_decoder)
         bar = _bar(p, "code")
         try:
             for outputs in _batches(stream):
                 for out in outputs:
                     _progress(bar, out)
-                    new = out.new_hidden_states if use_decoder else out.new_token_ids
-                    audio[out.request_id].push(new, finished=out.finished)
-                windows = [w for a in audio.values() for w in a.ready()]
-                for window, wav in zip(windows, self.batcher.decode(windows, use_decoder), strict=True):
-                    rid = owner[id(window.stream)]
-                    rows[rid].append(window.stream.accept(window, wav))
-                    stream.mark_first_audio(rid)
-                chunk = _aligned(rows, audio, stream.request_ids)
+                with self.audio.stream():  # not across the yield: the caller's thread keeps its own stream
+                    chunk = call.advance(outputs)
                 if chunk is not None:
                     yield chunk
         finally:
@@ -151,6 +144,29 @@ class VelocityPath:
             bar.close()
             stream.close()
         return [Generated(final[rid].token_ids, final[rid].hidden_states) for rid in stream.request_ids]
+
+
+class _StreamingCall:
+    """The audio side of one streaming call: a decoder per request, samples not yet handed out."""
+
+    def __init__(self, stream: RequestStream, config: StreamConfig, batcher: WindowBatcher, use_decoder: bool):
+        self.stream, self.batcher, self.use_decoder = stream, batcher, use_decoder
+        self.audio = {rid: AudioStream(config) for rid in stream.request_ids}
+        self.owner = {id(a): rid for rid, a in self.audio.items()}
+        self.rows: dict[str, list[np.ndarray]] = {rid: [] for rid in stream.request_ids}
+
+    def advance(self, outputs: list[RequestOutput]) -> np.ndarray | None:
+        """Take new tokens, decode every window they complete (batched with other calls'), return the next
+        aligned chunk if there is one."""
+        for out in outputs:
+            new = out.new_hidden_states if self.use_decoder else out.new_token_ids
+            self.audio[out.request_id].push(new, finished=out.finished)
+        windows = [w for a in self.audio.values() for w in a.ready()]
+        for window, wav in zip(windows, self.batcher.decode(windows, self.use_decoder), strict=True):
+            rid = self.owner[id(window.stream)]
+            self.rows[rid].append(window.stream.accept(window, wav))
+            self.stream.mark_first_audio(rid)
+        return _aligned(self.rows, self.audio, self.stream.request_ids)
 
 
 def _batches(stream: RequestStream) -> Iterator[list[RequestOutput]]:

@@ -30,6 +30,16 @@ class AudioDecoder:
         self.vocos = vocos
         self.device = torch.device(device)
         self.tf32 = tf32
+        self._side = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+
+    def stream(self) -> contextlib.AbstractContextManager:
+        """Run the decodes of this block on the decoder's own high-priority CUDA stream (a no-op on the CPU).
+        On the engine's stream a decode's few hundred kernels queue behind, and interleave with, the decode
+        windows the engine keeps queuing, so a stream's first chunk waited for the whole generation
+        (`python benchmarks/stream_latency.py`). Only for tensors whose producing work has finished, as the
+        engine's outputs have (it reports tokens after their window completed): nothing orders this stream
+        after the one that produced its inputs."""
+        return torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
 
     @torch.inference_mode()
     def to_wavs(self, results: list[Tensor], use_decoder: bool, tf32: bool | None = None) -> np.ndarray:
