@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import logging
 import threading
@@ -287,6 +288,18 @@ class AsyncLLMEngine:
             self._thread.start()
 
     def _run(self) -> None:
+        # The engine's device work goes on a stream of its own: on the legacy default stream, other threads'
+        # GPU work (the stream decodes) was serialised behind its windows (`benchmarks/decode_contention.py`).
+        device = self.engine.worker.device
+        if device.type != "cuda":
+            self._loop()
+            return
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.default_stream(device))  # the cache and buffers built at construction
+        with torch.cuda.stream(stream):
+            self._loop()
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             with self._lock:

@@ -8,6 +8,7 @@ presence breaks steps is failed alone (its output carries the error) while the e
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -65,6 +66,9 @@ class LLMEngine:
         self._window: Window | None = None
         """A decode window queued on the device whose tokens the next ``step`` reads."""
         self._ids = itertools.count()
+        dev = self.worker.device
+        self._report_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        """Where reports are built (see ``_reporting``)."""
         self._batch: list[Sequence] = []
         """The sequences of the step running now (those a failure concerns)."""
         self._totals = dict(num_steps=0, num_prompt_tokens=0, num_generated_tokens=0, max_batch_size=0,
@@ -157,7 +161,8 @@ class LLMEngine:
             return False
         self.scheduler.finish(group.seq, FinishReason.ABORT)
         if report:
-            self._aborted.append(self._output(group))
+            with self._reporting():
+                self._aborted.append(self._output(group))
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -177,11 +182,25 @@ class LLMEngine:
             return outputs + self._recover(err)
         finally:
             self._batch = []
-        for seq in sampled:
-            outputs.append(self._output(self.requests[seq.request_id]))
-            if seq.is_finished:
-                del self.requests[seq.request_id]
+        with self._reporting():
+            for seq in sampled:
+                outputs.append(self._output(self.requests[seq.request_id]))
+                if seq.is_finished:
+                    del self.requests[seq.request_id]
         return outputs
+
+    @contextlib.contextmanager
+    def _reporting(self):
+        """Build reports on a stream of their own and wait for it: what they gather (hidden states of windows
+        already collected) is complete, so the wait costs only the gathering, whereas on the engine's stream it
+        would queue behind the next window. A report's tensors are then ready on any stream or thread."""
+        stream = self._report_stream
+        if stream is None:
+            yield
+            return
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
 
     def _run_step(self) -> list[Sequence]:
         """Schedule and run one batch (or collect a window); the sequences that sampled tokens."""
