@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import itertools
 import logging
 import threading
