@@ -75,6 +75,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         run_stream(StreamBenchConfig(
             streams=tuple(args.streams), tokens=args.tokens, size=args.size, device=args.device, dtype=args.dtype,
+            repeats=args.repeats if args.repeats > 1 else 2,
             reference_max_streams=0 if args.skip_reference else args.reference_max_batch,
             json_path=args.json if args.json != "bench.json" else "bench_stream.json",
         ))

@@ -35,6 +35,8 @@ class StreamBenchConfig:
     device: str | None = None
     dtype: str | None = None
     """Engine dtype; None: float16 on CUDA, float32 on CPU."""
+    repeats: int = 2
+    """Timed runs per variant; every figure is the median over them (underruns: the most)."""
     reference_max_streams: int | None = None
     """Run the reference only up to this many streams; None: every variant."""
     json_path: str | None = "bench_stream.json"
@@ -44,6 +46,8 @@ class StreamBenchConfig:
             raise ValueError(f"--streams must be ints >= 1, got {self.streams!r}")
         if not isinstance(self.tokens, int) or self.tokens < 1:
             raise ValueError(f"--tokens must be an int >= 1, got {self.tokens!r}")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"--repeats must be an int >= 1, got {self.repeats!r}")
         if self.size not in ("full", "tiny"):
             raise ValueError(f"--size must be full or tiny, got {self.size!r}")
 
@@ -140,16 +144,25 @@ def summarize(records: list[StreamRecord]) -> dict:
     )
 
 
+def _median(runs: list[dict]) -> dict:
+    out = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+    out.update(streams=runs[0]["streams"], underruns=max(r["underruns"] for r in runs), repeats=len(runs))
+    return out
+
+
 def run_stream_bench(cfg: StreamBenchConfig) -> dict:
     chat = load_chat(cfg, max(cfg.streams))
     device = _device_name(chat.device)
     try:
-        velocity_streams(chat, min(8, max(cfg.streams)), 64)  # warm-up: kernels, graphs, audio shapes
+        for n in sorted({1, min(8, max(cfg.streams))}):  # warm-up: kernels, graphs, audio shapes
+            velocity_streams(chat, n, 64)
         rows = []
         for n in cfg.streams:
-            rows.append(dict(path="velocity", **summarize(velocity_streams(chat, n, cfg.tokens))))
+            runs = [summarize(velocity_streams(chat, n, cfg.tokens)) for _ in range(cfg.repeats)]
+            rows.append(dict(path="velocity", **_median(runs)))
             if cfg.reference_max_streams is None or n <= cfg.reference_max_streams:
-                rows.append(dict(path="reference", **summarize(reference_streams(chat, n, cfg.tokens))))
+                runs = [summarize(reference_streams(chat, n, cfg.tokens)) for _ in range(cfg.repeats)]
+                rows.append(dict(path="reference", **_median(runs)))
     finally:
         chat.unload()
     return dict(config=asdict(cfg), device=device, rows=rows)
@@ -170,7 +183,7 @@ def format_table(report: dict) -> str:
 
 def run_and_report(cfg: StreamBenchConfig) -> dict:
     report = run_stream_bench(cfg)
-    print(f"device: {report['device']}, {cfg.tokens} tokens per stream")
+    print(f"device: {report['device']}, {cfg.tokens} tokens per stream, median of {cfg.repeats} runs")
     print(format_table(report))
     if cfg.json_path:
         with open(cfg.json_path, "w", encoding="utf-8") as f:
