@@ -274,12 +274,17 @@ class LLMEngine:
 
     def _continue(self, window: Window) -> Window | None:
         """Queue the same batch's next window behind ``window`` if nothing can change the batch before it: no
-        request waiting, every sequence still running and none reaching its length limit inside ``window``, and
+        request waiting, ``window`` full-length (a short first window brings a stream to its first audio: queuing a
+        window behind it delays that report by a window wherever launches are host-bound, as CUDA graph replays
+        were at batch 1 in `benchmarks/first_window.py`), every sequence still running and none reaching its
+        length limit inside ``window``, and
         free blocks for everyone's next window (counted past ``window``'s tokens, which are not appended yet).
         A sequence that ends by EOS inside ``window`` computes the queued window in vain; its tokens are
         dropped and the pipeline stops there."""
         sched, bm, k = self.scheduler, self.block_manager, self.config.num_decode_steps
         if not self._pipeline or sched.waiting or len(sched.running) != len(window.seqs):
+            return None
+        if window.num_steps < k:  # a short first window is there for latency: report it before queuing more
             return None
         ahead = window.num_steps
         wanted = []
