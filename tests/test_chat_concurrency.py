@@ -25,6 +25,10 @@ def fresh_chat(upstream_ckpt):
     chat.unload()
 
 
+QUITTER = 3
+"""A streaming caller that stops after its first chunk."""
+
+
 def calls(chat) -> list[dict]:
     """16 different calls: texts, seeds, speakers, stream or not, both decoders, two refine-only."""
     speakers = [chat.sample_random_speaker() for _ in range(3)]
@@ -34,6 +38,9 @@ def calls(chat) -> list[dict]:
                                     max_new_token=24 + 4 * (i % 5), show_tqdm=False)
         kw = dict(text=[TEXTS[i % len(TEXTS)]], skip_refine_text=True, split_text=False, params_infer_code=code,
                   use_decoder=i % 3 != 0, stream=i % 2 == 1)
+        if i == QUITTER:  # long enough that its first chunk cannot be all of it
+            kw["params_infer_code"] = Chat.InferCodeParams(manual_seed=100 + i, max_new_token=200, min_new_token=200,
+                                                           show_tqdm=False)
         if i in (4, 10):
             kw.update(skip_refine_text=False, refine_text_only=True, stream=False, params_refine_text=Chat.RefineTextParams(
                 manual_seed=i, max_new_token=10, show_tqdm=False))
@@ -66,7 +73,7 @@ def same(a, b) -> bool:
 def test_sixteen_threads_get_their_own_results_batched_together(fresh_chat):
     chat = fresh_chat
     kws = calls(chat)
-    quitter = 3  # a streaming caller that stops after its first chunk
+    quitter = QUITTER
     results, errors = {}, []
     barrier = threading.Barrier(len(kws))
 
