@@ -1,5 +1,5 @@
-"""``chattts-velocity`` command line: ``say`` (text to a wav file), ``make-checkpoint`` (random weights) and
-``bench`` (reference vs velocity engine on random weights)."""
+"""``chattts-velocity`` command line: ``say`` (text to a wav file), ``serve`` (the OpenAI-compatible speech
+server), ``make-checkpoint`` (random weights) and ``bench`` (reference vs velocity engine on random weights)."""
 
 from __future__ import annotations
 
@@ -24,13 +24,7 @@ def _say(args: argparse.Namespace) -> int:
     ext = os.path.splitext(args.output)[1].lower()
     if ext not in (".wav", ".flac", ".ogg"):
         raise ValueError(f"output must end in .wav, .flac or .ogg, got {args.output!r}")
-    chat = Chat()
-    if args.dummy:
-        chat.load(device=args.device, load_format="dummy")
-    elif args.model is not None:
-        chat.load(source="custom", custom_path=args.model, device=args.device)
-    else:
-        chat.load(source=args.source, device=args.device)
+    chat = _load(args)
     speaker = args.speaker
     if speaker is None and args.random_speaker:
         speaker = chat.sample_random_speaker()
@@ -45,6 +39,76 @@ def _say(args: argparse.Namespace) -> int:
     sf.write(args.output, audio, SAMPLE_RATE)
     print(f"wrote {args.output}: {audio.size / SAMPLE_RATE:.2f} s of audio at {SAMPLE_RATE} Hz")
     return 0
+
+
+def _load(args: argparse.Namespace, **engine):
+    from .chat import Chat
+
+    chat = Chat()
+    if args.dummy:
+        chat.load(device=args.device, load_format="dummy", **engine)
+    elif args.model is not None:
+        chat.load(source="custom", custom_path=args.model, device=args.device, **engine)
+    else:
+        chat.load(source=args.source, device=args.device, **engine)
+    return chat
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        from .server import ServerConfig
+        from .server.run import serve
+    except ImportError as e:
+        raise ValueError(f"the server needs its extras: pip install \"chattts-velocity[server]\" ({e})") from None
+    config = ServerConfig(
+        max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_input_chars=args.max_input_chars,
+        api_key=args.api_key, voices_dir=args.voices_dir, shutdown_timeout_s=args.shutdown_timeout,
+        max_new_token=args.max_new_token,
+    )
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    engine = dict(max_num_seqs=args.max_num_seqs or config.max_concurrent * config.in_flight_sentences,
+                  kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype or ("float16" if cuda else "float32"))
+    chat = _load(args, **engine)
+    print(f"serving on http://{args.host}:{args.port} (OpenAI /v1/audio/speech)", flush=True)
+    return serve(chat, config, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a folder with the upstream asset/ layout (default: 2Noise/ChatTTS from the "
+                                     "Hugging Face cache, downloaded if absent)")
+    src.add_argument("--dummy", action="store_true", help="full-size random weights (offline; output is noise)")
+    p.add_argument("--source", default="huggingface", choices=["huggingface", "local"],
+                   help="where to find the real weights when --model is not given")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="the OpenAI-compatible speech server (POST /v1/audio/speech)",
+                       description="One process, one engine shared by every request. Needs the server extras: "
+                                   "pip install \"chattts-velocity[server]\".")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $CHATTTS_VELOCITY_API_KEY, else none)")
+    s.add_argument("--max-concurrent", type=int, default=64, help="requests generating at once (default: 64)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a slot; beyond it 429 with Retry-After (default: 256)")
+    s.add_argument("--max-input-chars", type=int, default=4096, help="longest input (default: 4096)")
+    s.add_argument("--voices-dir", default=None, help="where registered voices are kept across restarts")
+    s.add_argument("--max-new-token", type=int, default=2048, help="most audio tokens per sentence (default: 2048)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM (default: 30)")
+    s.add_argument("--max-num-seqs", type=int, default=None,
+                   help="engine: sequences decoded together (default: max-concurrent x 4 sentences)")
+    s.add_argument("--kv-cache-gib", type=float, default=None, help="engine: KV cache size")
+    s.add_argument("--engine-dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                   help="engine dtype (default: float16 on CUDA, float32 on CPU)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=_serve)
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
@@ -135,13 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     say = sub.add_parser("say", help="synthesise text to an audio file")
     say.add_argument("text", help="text to speak (sentences are split and batched as ChatTTS does)")
     say.add_argument("-o", "--output", default="out.wav", help="output file (.wav, .flac, .ogg)")
-    src = say.add_mutually_exclusive_group()
-    src.add_argument("--model", help="a folder with the upstream asset/ layout (default: 2Noise/ChatTTS from the "
-                                     "Hugging Face cache, downloaded if absent)")
-    src.add_argument("--dummy", action="store_true", help="full-size random weights (offline; output is noise)")
-    say.add_argument("--source", default="huggingface", choices=["huggingface", "local"],
-                     help="where to find the real weights when --model is not given")
-    say.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    _add_model_args(say)
     say.add_argument("--seed", type=int, default=None, help="manual_seed for reproducible output")
     spk = say.add_mutually_exclusive_group()
     spk.add_argument("--speaker", default=None, help="a speaker string (from sample_random_speaker)")
@@ -157,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0, help="random seed")
     mk.set_defaults(func=_make_checkpoint)
 
+    _add_serve_parser(sub)
     _add_bench_parser(sub)
     return p
 

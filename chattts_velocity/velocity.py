@@ -101,6 +101,35 @@ class VelocityPath:
             bar.close()
             stream.close()
 
+    def stream_joined(self, texts: list[str], p: InferCodeParams, use_decoder: bool = True,
+                      in_flight: int = 4) -> JoinedAudio:
+        """The texts' audio as one continuous mono float32 stream, in order (a server's long input split into
+        sentences): up to ``in_flight`` texts generate at once, the next one is submitted as one finishes, and
+        each join is smoothed by a short fade out and in (no gap, no click). Every text is validated now, before
+        the iterator is returned (``ValueError`` naming the text)."""
+        prompts, params = self._code_prompts(texts, p), self._code_params(p)
+        for i, prompt in enumerate(prompts):
+            try:
+                self.engine.engine.validate_request(prompt, params)
+            except ValueError as e:
+                raise ValueError(f"text {i}: {e}") from None
+        return JoinedAudio(self, prompts, params, use_decoder, in_flight)
+
+    def _samples(self, stream: RequestStream, use_decoder: bool) -> Iterator[np.ndarray]:
+        """One request's audio as it is generated (each chunk decoded once, batched with other calls')."""
+        (rid,) = stream.request_ids
+        audio = AudioStream(self.stream_config)
+        for outputs in _batches(stream):
+            with self.audio.stream():
+                for out in outputs:
+                    audio.push(out.new_hidden_states if use_decoder else out.new_token_ids, finished=out.finished)
+                windows = audio.ready()
+                samples = [audio.accept(w, wav) for w, wav in zip(windows, self.batcher.decode(windows, use_decoder),
+                                                                   strict=True)]
+            if samples:
+                stream.mark_first_audio(rid)
+                yield np.concatenate(samples)
+
     # ---------------------------------------------------------------- requests
     def _code_params(self, p: InferCodeParams) -> SamplingParams:
         return sampling_params(p, Mode.CODE, self.model.config.num_vq)
@@ -146,6 +175,60 @@ class VelocityPath:
         return [Generated(final[rid].token_ids, final[rid].hidden_states) for rid in stream.request_ids]
 
 
+class JoinedAudio:
+    """Iterator of ``VelocityPath.stream_joined``'s chunks. ``cancel`` (or ``close``) may be called from any
+    thread, even while another thread is inside ``next``: it ends the stream and aborts its requests, without
+    touching the generator (which cannot be closed while it runs)."""
+
+    def __init__(self, path: VelocityPath, prompts: list[Prompt], params: SamplingParams, use_decoder: bool,
+                 in_flight: int):
+        self._lock = threading.Lock()
+        self._live: list[RequestStream] = []
+        self._cancelled = False
+        self._chunks = self._run(path, prompts, params, use_decoder, in_flight)
+
+    def __iter__(self) -> JoinedAudio:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        return next(self._chunks)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            live = list(self._live)
+        for stream in live:
+            stream.close()
+
+    close = cancel
+
+    def _submit(self, path: VelocityPath, prompt: Prompt, params: SamplingParams) -> RequestStream | None:
+        with self._lock:
+            if self._cancelled:
+                return None
+            stream = path._submit([prompt], params)
+            self._live.append(stream)
+            return stream
+
+    def _run(self, path, prompts, params, use_decoder, in_flight) -> Iterator[np.ndarray]:
+        waiting = list(reversed(prompts))
+        try:
+            while waiting or self._live:
+                while waiting and len(self._live) < in_flight:
+                    if self._submit(path, waiting.pop(), params) is None:
+                        return
+                first = len(waiting) + len(self._live) == len(prompts)
+                last = not waiting and len(self._live) == 1
+                yield from _faded(path._samples(self._live[0], use_decoder), first, last)
+                with self._lock:
+                    done = self._live.pop(0)
+                    if self._cancelled:
+                        return
+                done.close()
+        finally:
+            self.cancel()
+
+
 class _StreamingCall:
     """The audio side of one streaming call: a decoder per request, samples not yet handed out."""
 
@@ -167,6 +250,35 @@ class _StreamingCall:
             self.rows[rid].append(window.stream.accept(window, wav))
             self.stream.mark_first_audio(rid)
         return _aligned(self.rows, self.audio, self.stream.request_ids)
+
+
+FADE = 120
+"""Samples (5 ms at 24 kHz) faded out at the end and in at the start of a joined text."""
+
+
+def _faded(chunks: Iterator[np.ndarray], first: bool, last: bool) -> Iterator[np.ndarray]:
+    """``chunks`` faded in over their first ``FADE`` samples unless ``first``, and out over their last unless
+    ``last`` (those are held back until the stream ends)."""
+    ramp = np.linspace(0.0, 1.0, FADE, dtype=np.float32)
+    hold = 0 if last else FADE
+    pending, fading_in = np.zeros(0, dtype=np.float32), not first
+    for chunk in chunks:
+        pending = np.concatenate([pending, chunk])
+        if fading_in:
+            if pending.size < FADE:
+                continue
+            pending[:FADE] *= ramp
+            fading_in = False
+        if pending.size > hold:
+            yield pending[: pending.size - hold]
+            pending = pending[pending.size - hold :]
+    n = pending.size
+    if fading_in:
+        pending = pending * ramp[:n]
+    if not last:
+        pending = pending * ramp[::-1][FADE - n :]
+    if n:
+        yield pending
 
 
 def _batches(stream: RequestStream) -> Iterator[list[RequestOutput]]:

@@ -100,6 +100,7 @@ class RequestStream:
         with self._cond:
             pending, self._pending = list(self._pending), set()
             self._items.clear()
+            self._cond.notify_all()  # a reader blocked in another thread sees the stream end
         for rid in pending:
             self._engine.abort(rid)
 

@@ -1,0 +1,46 @@
+"""``ServerConfig``: the speech server's settings, validated when built."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+API_KEY_ENV = "CHATTTS_VELOCITY_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits, auth and storage of one ``chattts-velocity serve`` process."""
+
+    max_concurrent: int = 64
+    """Requests generating at once; more wait in the queue."""
+    max_queue: int = 256
+    """Requests waiting for a slot; beyond it the server answers 429 with ``Retry-After``."""
+    max_input_chars: int = 4096
+    """Longest ``input`` accepted (OpenAI's limit)."""
+    api_key: str | None = None
+    """Required as ``Authorization: Bearer <key>`` when set (default: the environment's
+    ``CHATTTS_VELOCITY_API_KEY``, else no key)."""
+    voices_dir: str | None = None
+    """Where registered voices are kept across restarts; None: in memory only."""
+    in_flight_sentences: int = 4
+    """Sentences of one long input generated at once (the rest follow as those finish)."""
+    max_new_token: int = 2048
+    """Most audio tokens per sentence (ChatTTS's ``max_new_token``; 2048 tokens are 43.7 s)."""
+    retry_after_s: int = 1
+    """``Retry-After`` of a 429."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may take to finish before the process exits."""
+    model_name: str = "chattts-velocity"
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent", "max_input_chars", "in_flight_sentences", "max_new_token", "retry_after_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ValueError(f"max_queue must be an int >= 0, got {self.max_queue!r}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s!r}")
+        if self.api_key is None and os.environ.get(API_KEY_ENV):
+            object.__setattr__(self, "api_key", os.environ[API_KEY_ENV])

@@ -1,0 +1,53 @@
+"""Prometheus metrics of the speech server (``GET /metrics``): requests by route and status, the admission
+queue, the engine's load (sequences waiting and running, KV blocks in use, preemptions, tokens) read from its
+stats at scrape time, and histograms of time to first audio and real-time factor."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_TTFA_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2, 5, 10)
+_RTF_BUCKETS = (0.5, 1, 2, 4, 8, 16, 32, 64)
+
+
+class Metrics:
+    def __init__(self, engine, admission):
+        self.engine, self.admission = engine, admission
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("chattts_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.queue = Gauge("chattts_queue_depth", "speech requests waiting for a slot", registry=r)
+        self.running = Gauge("chattts_running_requests", "speech requests generating", registry=r)
+        self.seqs_waiting = Gauge("chattts_engine_waiting", "engine sequences waiting", registry=r)
+        self.seqs_running = Gauge("chattts_engine_running", "engine sequences running", registry=r)
+        self.kv_used = Gauge("chattts_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_total = Gauge("chattts_kv_blocks_total", "KV cache blocks", registry=r)
+        self.preemptions = Gauge("chattts_preemptions", "engine preemptions so far", registry=r)
+        self.tokens = Gauge("chattts_generated_tokens", "audio and text tokens generated so far", registry=r)
+        self.ttfa = Histogram("chattts_time_to_first_audio_seconds", "request start to first audio", registry=r,
+                              buckets=_TTFA_BUCKETS)
+        self.rtf = Histogram("chattts_real_time_factor", "seconds of audio per second of wall time", registry=r,
+                             buckets=_RTF_BUCKETS)
+
+    def count(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def first_audio(self, seconds: float) -> None:
+        self.ttfa.observe(seconds)
+
+    def finished(self, audio_s: float, wall_s: float) -> None:
+        if wall_s > 0 and audio_s > 0:
+            self.rtf.observe(audio_s / wall_s)
+
+    def render(self) -> tuple[bytes, str]:
+        stats = self.engine.stats().engine
+        self.queue.set(self.admission.waiting)
+        self.running.set(self.admission.running)
+        self.seqs_waiting.set(stats.num_waiting)
+        self.seqs_running.set(stats.num_running)
+        self.kv_used.set(stats.kv_blocks_used)
+        self.kv_total.set(stats.kv_blocks_total)
+        self.preemptions.set(stats.num_preemptions)
+        self.tokens.set(stats.num_generated_tokens)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,63 @@
+"""OpenAI's ``/v1/audio/speech`` request schema (plus ChatTTS's extras) and its error body."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .audio_format import FORMATS
+
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+_CONTROL = re.compile(r"^(\[[a-z]+_\d+\])+$")
+"""A ChatTTS refine prompt such as ``[oral_2][laugh_0][break_6]``."""
+
+
+class SpeechRequest(BaseModel):
+    """``POST /v1/audio/speech``. ``speed`` maps onto ChatTTS's ``[speed_N]`` prompt (N = 5 + 2.5·log2(speed),
+    rounded, clipped to 0..9: 0.25 → 0, 0.5 → 2, 1 → 5, 2 → 8, 4 → 9). ``instructions`` made of ChatTTS refine
+    tags (``[oral_2][laugh_0][break_6]``) become the refine prompt and turn refining on; other instructions are
+    accepted and ignored (ChatTTS takes no free-text style prompt)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    input: str
+    voice: str | dict
+    instructions: str | None = None
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+    # ChatTTS extras
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    temperature: float = Field(default=0.3, gt=0.0, le=2.0)
+    top_p: float = Field(default=0.7, gt=0.0, le=1.0)
+    top_k: int = Field(default=20, ge=1, le=626)
+    refine_text: bool = False
+    prompt: str | None = Field(default=None, max_length=64)
+    """Extra ChatTTS code prompt tags, e.g. ``[speed_3]`` (overrides ``speed``)."""
+
+    def speed_prompt(self) -> str:
+        if self.prompt:
+            return self.prompt
+        level = min(9, max(0, round(5 + 2.5 * math.log2(self.speed))))
+        return f"[speed_{level}]"
+
+    def refine_prompt(self) -> str | None:
+        """The refine prompt when the instructions are ChatTTS refine tags, else None."""
+        text = (self.instructions or "").replace(" ", "")
+        return text if _CONTROL.match(text) else None
+
+
+assert set(FORMATS) == set(SpeechRequest.model_fields["response_format"].annotation.__args__)
+
+
+def error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)

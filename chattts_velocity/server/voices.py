@@ -1,0 +1,142 @@
+"""Voices of the speech server: OpenAI's voice names, each a fixed built-in speaker; ChatTTS speaker strings;
+and voices registered from an uploaded sample (its DVAE codes and transcript), kept in a folder across
+restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import uuid
+from dataclasses import asdict, dataclass
+
+import torch
+
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse",
+                 "marin", "cedar")
+"""Each maps to the speaker drawn from the checkpoint's speaker statistics with seed = its index here."""
+
+_ID = re.compile(r"^voice_[0-9a-f]{16}$")
+
+
+class UnknownVoiceError(LookupError):
+    """No voice of that name or id (the server answers 404)."""
+
+
+@dataclass(frozen=True)
+class Voice:
+    """What a request's ``voice`` resolves to: a speaker vector string and/or a voice sample."""
+
+    id: str
+    name: str
+    spk_emb: str | None = None
+    """Speaker string (``Chat.sample_random_speaker``)."""
+    spk_smp: str | None = None
+    """Voice-sample codes (``Chat.sample_audio_speaker``) ..."""
+    txt_smp: str | None = None
+    """... and what is said in it."""
+
+
+class VoiceRegistry:
+    """Built-in, registered and inline voices. Thread-safe; registered voices are JSON files in ``folder``."""
+
+    def __init__(self, chat, folder: str | None = None):
+        self.chat = chat
+        self.folder = folder
+        self._lock = threading.Lock()
+        self._builtin = {name: Voice(name, name, spk_emb=self._builtin_speaker(i))
+                         for i, name in enumerate(OPENAI_VOICES)}
+        self._registered: dict[str, Voice] = {}
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            for file in sorted(os.listdir(folder)):
+                if file.endswith(".json"):
+                    with open(os.path.join(folder, file), encoding="utf-8") as f:
+                        voice = Voice(**json.load(f))
+                    self._registered[voice.id] = voice
+
+    def _builtin_speaker(self, seed: int) -> str | None:
+        from ..text import encode_speaker
+
+        stats = self.chat.model.speaker_stats
+        if stats is None:  # a checkpoint without speaker statistics: the default voice for all
+            return None
+        return encode_speaker(stats.sample(torch.Generator().manual_seed(seed)))
+
+    def list(self) -> list[Voice]:
+        with self._lock:
+            return [*self._builtin.values(), *self._registered.values()]
+
+    def resolve(self, voice) -> Voice:
+        """A voice name or id, ``{"id": ...}``, or a ChatTTS speaker string."""
+        key = voice.get("id") if isinstance(voice, dict) else voice
+        if not isinstance(key, str) or not key:
+            raise UnknownVoiceError(f"voice must be a name, an id or {{'id': ...}}, got {voice!r}")
+        with self._lock:
+            found = self._builtin.get(key.lower()) or self._registered.get(key)
+        if found is not None:
+            return found
+        if len(key) > 64:  # a speaker string: decodes, or it is a malformed one
+            from ..text import speaker_vector
+
+            try:
+                speaker_vector(key, self.chat.model.config.hidden_size)
+            except ValueError as e:
+                raise UnknownVoiceError(f"voice is neither a known voice nor a valid speaker string: {e}") from None
+            return Voice("inline", "inline", spk_emb=key)
+        raise UnknownVoiceError(f"unknown voice {key!r}: GET /v1/audio/voices lists them")
+
+    def register(self, name: str, wav, transcript: str) -> Voice:
+        """A new voice from a 24 kHz mono float sample and its transcript."""
+        if not transcript.strip():
+            raise ValueError("transcript is empty: give the text spoken in the sample")
+        spk_smp = self.chat.sample_audio_speaker(wav)
+        voice = Voice(f"voice_{uuid.uuid4().hex[:16]}", name or "custom", spk_smp=spk_smp, txt_smp=transcript.strip())
+        with self._lock:
+            self._registered[voice.id] = voice
+            if self.folder:
+                path = os.path.join(self.folder, f"{voice.id}.json")
+                tmp = path + ".tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(asdict(voice), f)
+                os.replace(tmp, path)  # never a half-written voice
+        return voice
+
+    def reload(self) -> None:
+        """Pick up voices another process registered in the folder (several replicas share it)."""
+        if not self.folder:
+            return
+        for file in os.listdir(self.folder):
+            vid = file.removesuffix(".json")
+            if file.endswith(".json") and _ID.match(vid) and vid not in self._registered:
+                with open(os.path.join(self.folder, file), encoding="utf-8") as f:
+                    voice = Voice(**json.load(f))
+                with self._lock:
+                    self._registered[voice.id] = voice
+
+
+def read_sample(data: bytes, max_seconds: float = 60.0):
+    """An uploaded audio file (any format ffmpeg reads) -> 24 kHz mono float32 samples."""
+    import io
+
+    import av
+    import numpy as np
+
+    from ..config import SAMPLE_RATE
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.audio:
+                raise ValueError("the uploaded audio file has no audio stream")
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+            parts = []
+            for frame in container.decode(audio=0):
+                parts += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+            parts += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
+    except av.error.FFmpegError as e:
+        raise ValueError(f"the uploaded audio could not be decoded: {e}") from None
+    wav = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+    if wav.size < SAMPLE_RATE // 2 or wav.size > max_seconds * SAMPLE_RATE:
+        raise ValueError(f"the audio sample must last between 0.5 and {max_seconds:g} s, got {wav.size / SAMPLE_RATE:.2f} s")
+    return wav.astype(np.float32)

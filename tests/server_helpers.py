@@ -1,0 +1,88 @@
+"""A speech server in a subprocess on 127.0.0.1 (a free port), over a tiny checkpoint, for the server tests."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``chattts-velocity serve`` as a child process; ``url`` once healthy."""
+
+    def __init__(self, model_dir: str, *args: str, api_key: str | None = API_KEY, log_path: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "chattts_velocity.cli", "serve", "--model", model_dir, "--device", "cpu",
+               "--port", str(self.port), "--log-level", "warning", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("CHATTTS_VELOCITY_API_KEY", None)
+        self.log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._wait_healthy(120)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} before it was healthy")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("the server did not become healthy in time")
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def decode_audio(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
+    """Decoded mono samples and sample rate of a response body."""
+    if fmt == "pcm":
+        return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767, 24000
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        rate = stream.codec_context.sample_rate
+        parts = [frame.to_ndarray().reshape(-1) for frame in container.decode(stream)]  # mono
+    return np.concatenate(parts).astype(np.float32), rate
+
+
+def metric(url: str, name: str, headers: dict | None = None) -> float:
+    """One unlabelled sample of ``GET /metrics``."""
+    for line in httpx.get(url + "/metrics", headers=headers, timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)

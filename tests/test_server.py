@@ -1,0 +1,182 @@
+"""The speech server as clients use it: the official ``openai`` SDK (every format, streamed pcm, SSE), the
+voices list as Open WebUI reads it, a registered voice, auth, limits and a battery of bad requests, against
+one live server on 127.0.0.1 over a tiny checkpoint."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+from server_helpers import API_KEY, ServerProcess, decode_audio, metric
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+TEXT = "Hello there. This is a test of the speech server."
+FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+TOLERANCE_S = {"mp3": 0.1, "opus": 0.001, "aac": 0.1, "flac": 0.001, "wav": 0.001, "pcm": 0.001}
+"""Streamed mp3 and aac keep the codec's priming and last-frame padding (no header can say how much: up to
+2304 and 2047 samples, `tests/test_audio_format.py`); Ogg Opus trims them."""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, upstream_ckpt):
+    voices = tmp_path_factory.mktemp("voices")
+    srv = ServerProcess(upstream_ckpt, "--max-new-token", "48", "--voices-dir", str(voices), "--max-concurrent", "4",
+                        "--max-queue", "2", "--max-input-chars", "400")
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference_seconds(client) -> float:
+    """Duration of the test request's audio (pcm, seed 7): every format must decode to it."""
+    data = client.audio.speech.create(model="tts-1", voice="alloy", input=TEXT, response_format="pcm",
+                                      extra_body={"seed": 7}).content
+    assert len(data) % 2 == 0 and len(data) > 2 * 24000 * 0.2
+    return len(data) / 2 / 24000
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_through_the_sdk_decodes_to_the_expected_duration(client, reference_seconds, fmt):
+    response = client.audio.speech.create(model="tts-1", voice="alloy", input=TEXT, response_format=fmt,
+                                          extra_body={"seed": 7})
+    samples, rate = decode_audio(response.content, fmt)
+    assert rate == (48000 if fmt == "opus" else 24000)  # Ogg Opus always decodes at 48 kHz (RFC 7845)
+    assert abs(samples.size / rate - reference_seconds) <= TOLERANCE_S[fmt], (fmt, samples.size / rate)
+    assert np.abs(samples).max() > 0.01, "silence"
+
+
+def test_content_types(server):
+    want = {"mp3": "audio/mpeg", "opus": "audio/opus", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
+            "pcm": "audio/pcm"}
+    for fmt, ctype in want.items():
+        r = httpx.post(server.url + "/v1/audio/speech", headers={**AUTH, "Accept": "application/octet-stream"},
+                       json={"model": "x", "voice": "echo", "input": "hi there", "response_format": fmt, "seed": 1},
+                       timeout=60)
+        assert r.status_code == 200 and r.headers["content-type"].startswith(ctype), (fmt, r.headers)
+
+
+def test_streamed_pcm_arrives_in_chunks(client, reference_seconds):
+    chunks = []
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=TEXT,
+                                                            response_format="pcm", extra_body={"seed": 7}) as r:
+        for chunk in r.iter_bytes(chunk_size=None):
+            chunks.append(chunk)
+    assert len(chunks) > 1
+    assert abs(sum(map(len, chunks)) / 2 / 24000 - reference_seconds) < 1e-3
+
+
+def test_sse_events_in_order_ending_with_done(server, reference_seconds):
+    events = []
+    with httpx.stream("POST", server.url + "/v1/audio/speech", headers=AUTH, timeout=60,
+                      json={"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm",
+                            "stream_format": "sse", "seed": 7}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    types = [e["type"] for e in events]
+    assert types[-1] == "speech.audio.done" and set(types[:-1]) == {"speech.audio.delta"} and len(types) > 2
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert abs(len(audio) / 2 / 24000 - reference_seconds) < 1e-3
+    assert events[-1]["usage"]["output_tokens"] > 0
+
+
+def test_voices_list_as_open_webui_reads_it_and_a_registered_voice(server, client):
+    voices = httpx.get(server.url + "/v1/audio/voices", headers=AUTH).json()["voices"]
+    ids = {v["id"] for v in voices}
+    assert {"alloy", "echo", "nova", "shimmer", "cedar"} <= ids and all({"id", "name"} <= v.keys() for v in voices)
+    sample_text = "A voice to clone. It speaks a few sentences. So the sample is long enough. To be useful."
+    pcm = client.audio.speech.create(model="tts-1", voice="nova", input=sample_text, response_format="pcm",
+                                     extra_body={"seed": 3}).content
+    assert len(pcm) / 2 / 24000 > 0.5
+    wav = io.BytesIO()
+    sf.write(wav, np.frombuffer(pcm, dtype="<i2"), 24000, format="WAV")
+    r = httpx.post(server.url + "/v1/audio/voices", headers=AUTH,
+                   files={"audio": ("sample.wav", wav.getvalue(), "audio/wav")},
+                   data={"transcript": sample_text, "name": "mine"})
+    assert r.status_code == 201, r.text
+    vid = r.json()["id"]
+    assert vid in {v["id"] for v in httpx.get(server.url + "/v1/audio/voices", headers=AUTH).json()["voices"]}
+    for voice in (vid, {"id": vid}):
+        data = client.audio.speech.create(model="tts-1", voice=voice, input="spoken in my voice",
+                                          response_format="pcm").content
+        assert len(data) > 2 * 2400
+
+
+def test_models_health_and_metrics(server):
+    models = [m["id"] for m in httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"]]
+    assert {"tts-1", "tts-1-hd", "gpt-4o-mini-tts", "chattts-velocity"} <= set(models)
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/").status_code == 200
+    assert metric(server.url, "chattts_kv_blocks_total") > 0
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("chattts_requests_total", "chattts_time_to_first_audio_seconds_bucket", "chattts_real_time_factor",
+                 "chattts_queue_depth", "chattts_preemptions"):
+        assert name in text, name
+
+
+BAD = [
+    ({"input": ""}, 400, "input"),
+    ({"input": "x" * 401}, 400, "input"),
+    ({"voice": "no-such-voice"}, 404, "voice"),
+    ({"voice": {"id": "voice_0000000000000000"}}, 404, "voice"),
+    ({"response_format": "ogg"}, 400, "response_format"),
+    ({"speed": 5.0}, 400, "speed"),
+    ({"speed": 0.1}, 400, "speed"),
+    ({"temperature": 0}, 400, "temperature"),
+    ({"top_k": 0}, 400, "top_k"),
+    ({"seed": -1}, 400, "seed"),
+    ({"unknown_field": 1}, 400, "unknown_field"),
+]
+
+
+@pytest.mark.parametrize("change, status, param", BAD)
+def test_bad_requests_get_openai_errors(server, change, status, param):
+    body = {"model": "tts-1", "voice": "alloy", "input": "fine", **change}
+    r = httpx.post(server.url + "/v1/audio/speech", headers=AUTH, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and "Traceback" not in r.text
+
+
+def test_malformed_json_and_auth(server):
+    r = httpx.post(server.url + "/v1/audio/speech", headers={**AUTH, "Content-Type": "application/json"},
+                   content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "error" in r.json()
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(server.url + "/v1/audio/speech", headers=headers, timeout=10,
+                       json={"model": "tts-1", "voice": "alloy", "input": "hi"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).audio.speech.create(
+            model="tts-1", voice="alloy", input="hi")
+    assert httpx.get(server.url + "/health").status_code == 200  # still serving
+
+
+def test_over_the_queue_limit_is_429_with_retry_after(server):
+    """4 running + 2 queued fit; more concurrent requests are refused at once, and the server recovers."""
+    import concurrent.futures
+
+    body = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm"}
+
+    def post(_):
+        return httpx.post(server.url + "/v1/audio/speech", headers=AUTH, json=body, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(post, range(16)))
+    codes = [r.status_code for r in responses]
+    assert codes.count(200) >= 6 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+    limited = next(r for r in responses if r.status_code == 429)
+    assert limited.headers["retry-after"] and limited.json()["error"]["type"] == "rate_limit_error"
+    assert post(0).status_code == 200

@@ -1,0 +1,50 @@
+"""SIGTERM with requests in flight: they finish with all their audio, new requests get 503 meanwhile, and the
+process exits 0."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+from server_helpers import API_KEY, ServerProcess
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def body(seed: int) -> dict:
+    text = " ".join(f"Sentence number {i} must still be spoken while the server stops." for i in range(8))
+    return {"model": "tts-1", "voice": "echo", "input": text, "response_format": "pcm", "seed": seed}
+
+
+def test_sigterm_drains_in_flight_requests(upstream_ckpt):
+    srv = ServerProcess(upstream_ckpt, "--max-new-token", "160", "--shutdown-timeout", "60")
+    alone = {seed: len(httpx.post(srv.url + "/v1/audio/speech", json=body(seed), headers=AUTH, timeout=60).content)
+             for seed in range(3)}
+    sizes, started = {}, threading.Semaphore(0)
+
+    def stream(seed):
+        with httpx.stream("POST", srv.url + "/v1/audio/speech", json=body(seed), headers=AUTH, timeout=60) as r:
+            total, first = 0, True
+            for chunk in r.iter_bytes():
+                total += len(chunk)
+                if first:
+                    started.release()
+                    first = False
+            sizes[seed] = (r.status_code, total)
+
+    threads = [threading.Thread(target=stream, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=60)
+    srv.terminate()
+    time.sleep(0.2)
+    late = httpx.post(srv.url + "/v1/audio/speech", json=body(9), headers=AUTH, timeout=10)
+    assert late.status_code == 503 and late.headers.get("retry-after") and late.json()["error"]["message"]
+    assert httpx.get(srv.url + "/health").status_code == 503
+    for t in threads:
+        t.join(60)
+    assert sizes == {seed: (200, alone[seed]) for seed in range(3)}, (sizes, alone)
+    assert srv.proc.wait(60) == 0
+    srv.stop()
