@@ -133,6 +133,16 @@ def _bench_config(args: argparse.Namespace) -> BenchConfig:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.mode == "serve":
+        from .bench.serve import ServeBenchConfig
+        from .bench.serve import run_and_report as run_serve
+
+        run_serve(ServeBenchConfig(
+            url=args.url.rstrip("/"), streams=tuple(args.streams), requests_per_stream=args.requests_per_stream,
+            api_key=args.api_key, json_path=args.json if args.json != "bench.json" else "bench_serve.json",
+            plot_path=args.plot,
+        ))
+        return 0
     if args.mode == "stream":
         from .bench.stream import StreamBenchConfig
         from .bench.stream import run_and_report as run_stream
@@ -158,11 +168,16 @@ def _add_bench_parser(sub) -> None:
                                    "random weights and prompt: per-step latency, tokens/s, audio seconds per "
                                    "second (GPT alone and with the wav decode), time to first audio and peak "
                                    "memory.")
-    b.add_argument("mode", nargs="?", default="engine", choices=["engine", "stream"],
+    b.add_argument("mode", nargs="?", default="engine", choices=["engine", "stream", "serve"],
                    help="engine: decode speed of both paths (default); stream: concurrent streaming calls, time "
-                        "to first audio and real-time factor, velocity vs upstream-style reference streaming")
+                        "to first audio and real-time factor, velocity vs upstream-style reference streaming; "
+                        "serve: drive a running speech server (--url) over HTTP")
     b.add_argument("--streams", type=int, nargs="+", default=[1, 8, 64, 256],
-                   help="stream mode: concurrent streams per variant (default: 1 8 64 256)")
+                   help="stream and serve modes: concurrent streams per level (default: 1 8 64 256)")
+    b.add_argument("--url", default="http://127.0.0.1:8000", help="serve mode: the server to drive")
+    b.add_argument("--api-key", default=None, help="serve mode: the server's API key")
+    b.add_argument("--requests-per-stream", type=int, default=2,
+                   help="serve mode: requests each client makes in a row (default: 2)")
     b.add_argument("--size", default="full", choices=SIZES, help="full (real shapes) or tiny random weights")
     b.add_argument("--batch", type=int, nargs="+", default=list(DEFAULT_BATCHES),
                    help="batch sizes: concurrent requests submitted at once (default: 1 16 64 256)")

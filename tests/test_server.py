@@ -180,3 +180,15 @@ def test_over_the_queue_limit_is_429_with_retry_after(server):
     limited = next(r for r in responses if r.status_code == 429)
     assert limited.headers["retry-after"] and limited.json()["error"]["type"] == "rate_limit_error"
     assert post(0).status_code == 200
+
+
+def test_bench_serve_drives_the_server(server, tmp_path):
+    from chattts_velocity.bench.serve import ServeBenchConfig, run_and_report
+
+    out = tmp_path / "bench_serve.json"
+    report = run_and_report(ServeBenchConfig(url=server.url, streams=(1, 2), requests_per_stream=1, api_key=API_KEY,
+                                             json_path=str(out)))
+    rows = report["rows"]
+    assert [r["streams"] for r in rows] == [1, 2] and all(r["failures"] == 0 for r in rows)
+    assert all(r["ttfa_p50_ms"] > 0 and r["rtf_min"] > 0 for r in rows)
+    assert json.loads(out.read_text())["rows"] == rows

@@ -1,0 +1,123 @@
+"""``chattts-velocity bench serve``: drive a running speech server over HTTP at a sweep of concurrency levels
+(N clients each streaming one pcm request at a time, all started together) and report per level: time to first
+audio p50/p99, inter-chunk gap p99, real-time factor per stream (slowest and median), failures. JSON, a
+markdown table and optionally a PNG."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..config import SAMPLE_RATE
+from .report import require_matplotlib
+
+TEXT = "Streaming speech for many users at once, chunk by chunk, as soon as it is generated."
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    url: str = "http://127.0.0.1:8000"
+    streams: tuple[int, ...] = (1, 8, 64, 256)
+    requests_per_stream: int = 2
+    """Requests each client makes in a row (all counted)."""
+    api_key: str | None = None
+    voice: str = "alloy"
+    text: str = TEXT
+    timeout_s: float = 300.0
+    json_path: str | None = "bench_serve.json"
+    plot_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.streams or any(not isinstance(n, int) or n < 1 for n in self.streams):
+            raise ValueError(f"--streams must be ints >= 1, got {self.streams!r}")
+        if self.requests_per_stream < 1:
+            raise ValueError("--requests-per-stream must be >= 1")
+        if self.plot_path:
+            require_matplotlib()
+
+
+async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
+    body = {"model": "tts-1", "voice": cfg.voice, "input": cfg.text, "response_format": "pcm", "seed": seed}
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    start, arrivals, size = time.perf_counter(), [], 0
+    try:
+        async with client.stream("POST", cfg.url + "/v1/audio/speech", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return {"ok": False, "status": r.status_code}
+            async for chunk in r.aiter_bytes():
+                arrivals.append(time.perf_counter() - start)
+                size += len(chunk)
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        return {"ok": False, "status": type(e).__name__}
+    wall = time.perf_counter() - start
+    gaps = np.diff(arrivals) if len(arrivals) > 1 else np.zeros(1)
+    return {"ok": size > 0, "status": 200, "ttfa": arrivals[0] if arrivals else None, "gap_max": float(gaps.max()),
+            "rtf": size / 2 / SAMPLE_RATE / wall}
+
+
+async def _level(cfg: ServeBenchConfig, n: int) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as client:
+
+        async def user(u: int) -> list[dict]:
+            return [await _one(client, cfg, u * cfg.requests_per_stream + k) for k in range(cfg.requests_per_stream)]
+
+        results = [r for rs in await asyncio.gather(*(user(u) for u in range(n))) for r in rs]
+    ok = [r for r in results if r["ok"]]
+    pct = (lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan"))  # noqa: E731
+    return dict(streams=n, requests=len(results), failures=len(results) - len(ok),
+                statuses=sorted({str(r["status"]) for r in results}),
+                ttfa_p50_ms=pct([r["ttfa"] for r in ok], 50), ttfa_p99_ms=pct([r["ttfa"] for r in ok], 99),
+                gap_p99_ms=pct([r["gap_max"] for r in ok], 99),
+                rtf_min=min((r["rtf"] for r in ok), default=float("nan")),
+                rtf_p50=float(np.median([r["rtf"] for r in ok])) if ok else float("nan"))
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| streams | requests | first audio p50 ms | p99 ms | chunk gap p99 ms | RTF min | RTF p50 | failures |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['streams']} | {r['requests']} | {r['ttfa_p50_ms']:.1f} | {r['ttfa_p99_ms']:.1f} | "
+                     f"{r['gap_p99_ms']:.1f} | {r['rtf_min']:.2f} | {r['rtf_p50']:.2f} | {r['failures']} |")
+    return "\n".join(lines)
+
+
+def run_and_report(cfg: ServeBenchConfig) -> dict:
+    rows = [asyncio.run(_level(cfg, n)) for n in cfg.streams]
+    report = {"config": asdict(cfg), "rows": rows}
+    print(f"server {cfg.url}, pcm streaming, {cfg.requests_per_stream} request(s) per client")
+    print(format_table(rows))
+    if cfg.json_path:
+        with open(cfg.json_path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    if cfg.plot_path:
+        _plot(rows, cfg.plot_path)
+    return report
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r["streams"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(n, [r["ttfa_p50_ms"] for r in rows], "o-", label="p50")
+    a.plot(n, [r["ttfa_p99_ms"] for r in rows], "o-", label="p99")
+    a.set(xscale="log", xlabel="concurrent streams", ylabel="time to first audio (ms)")
+    a.legend()
+    b.plot(n, [r["rtf_min"] for r in rows], "o-", label="slowest stream")
+    b.plot(n, [r["rtf_p50"] for r in rows], "o-", label="median stream")
+    b.axhline(1, color="grey", lw=0.8)
+    b.set(xscale="log", xlabel="concurrent streams", ylabel="real-time factor")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path)
