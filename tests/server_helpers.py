@@ -25,14 +25,15 @@ def free_port() -> int:
 class ServerProcess:
     """``chattts-velocity serve`` as a child process; ``url`` once healthy."""
 
-    def __init__(self, model_dir: str, *args: str, api_key: str | None = API_KEY, log_path: str | None = None):
+    def __init__(self, model_dir: str, *args: str, api_key: str | None = API_KEY, log_path: str | None = None,
+                 env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "chattts_velocity.cli", "serve", "--model", model_dir, "--device", "cpu",
                "--port", str(self.port), "--log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("CHATTTS_VELOCITY_API_KEY", None)
         self.log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)

@@ -57,8 +57,10 @@ async def run(url: str, start: int, count: int, rng: random.Random) -> list[tupl
 
 
 def test_a_thousand_streams_with_disconnects(upstream_ckpt):
+    # two malloc arenas: with one per worker thread, freed memory scattered over 64 arenas makes the resident
+    # size wander by tens of MiB, which would hide a leak
     srv = ServerProcess(upstream_ckpt, "--max-new-token", "24", "--max-concurrent", str(CONCURRENCY), "--max-queue",
-                        str(REQUESTS))
+                        str(REQUESTS), env={"MALLOC_ARENA_MAX": "2"})
     try:
         expected = {}
         for i in range(len(VARIANTS)):  # each variant alone first

@@ -1,14 +1,15 @@
-"""``WindowBatcher``: the stream decode windows of every caller, decoded together. Each caller (a thread
-streaming one ``infer`` call, a server request) hands its windows to ``decode`` and waits; whichever caller
-finds the decoder free takes every window queued by then, from all callers, and runs them as one batched
+"""``WindowBatcher``: the stream decode windows of every caller, decoded together on one decoder thread. Each
+caller (a thread streaming one ``infer`` call, a server request) hands its windows to ``decode`` and waits;
+the decoder thread takes every window queued by then, from all callers, and runs them as one batched
 Decoder + Vocos call per window length, then hands each caller its samples. Under load the windows of many
-streams share one call (on a GPU a batch of 32 windows costs about what one does); alone, a caller decodes
-at once. No extra thread: the waiting callers take turns leading."""
+streams share one call (on a GPU a batch of 32 windows costs about what one does); alone, a caller's windows
+are decoded at once. One thread does all the decoding, so per-thread state (CUDA stream, oneDNN scratch
+memory) exists once, not once per caller thread."""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,7 +23,7 @@ class _Job:
     use_decoder: bool
     wavs: list[np.ndarray] | None = None
     error: BaseException | None = None
-    done: bool = field(default=False)
+    done: bool = False
 
 
 class WindowBatcher:
@@ -30,7 +31,7 @@ class WindowBatcher:
         self.audio = audio
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
-        self._busy = False
+        self._thread: threading.Thread | None = None
         self.num_calls = 0
         """Batched decode rounds run so far (a round is one ``decode_windows`` call per decoder kind)."""
 
@@ -40,26 +41,33 @@ class WindowBatcher:
             return []
         job = _Job(windows, use_decoder)
         with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="chattts-velocity-decoder", daemon=True)
+                self._thread.start()
             self._queue.append(job)
+            self._cond.notify_all()
             while not job.done:
-                if self._busy:
-                    self._cond.wait()
-                    continue
-                self._busy = True
-                batch, self._queue = self._queue, []
-                self._cond.release()
-                try:
-                    self._run(batch)
-                except BaseException as err:  # every caller of the round sees the failure
-                    for other in batch:
-                        other.error, other.done = err, True
-                finally:
-                    self._cond.acquire()
-                    self._busy = False
-                    self._cond.notify_all()
+                self._cond.wait()
         if job.error is not None:
             raise job.error
         return job.wavs
+
+    def _loop(self) -> None:
+        with self.audio.stream():
+            while True:
+                with self._cond:
+                    while not self._queue:
+                        self._cond.wait()
+                    batch, self._queue = self._queue, []
+                try:
+                    self._run(batch)
+                except BaseException as err:  # noqa: BLE001 - every caller of the round sees the failure
+                    for job in batch:
+                        job.error = err
+                with self._cond:
+                    for job in batch:
+                        job.done = True
+                    self._cond.notify_all()
 
     def _run(self, jobs: list[_Job]) -> None:
         self.num_calls += 1
@@ -70,5 +78,5 @@ class WindowBatcher:
             wavs = decode_windows(self.audio, [w for job in group for w in job.windows], use_decoder)
             start = 0
             for job in group:
-                job.wavs, job.done = wavs[start : start + len(job.windows)], True
+                job.wavs = wavs[start : start + len(job.windows)]
                 start += len(job.windows)
