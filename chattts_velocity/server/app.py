@@ -146,6 +146,8 @@ def _install_errors(app: FastAPI, state: _State) -> None:
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":  # the location is a character offset, not a field
+            loc = []
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         state.metrics.count(request.url.path, 400)
         return error(400, message, param=loc[0] if loc else None)

@@ -73,6 +73,8 @@ class VoiceRegistry:
         key = voice.get("id") if isinstance(voice, dict) else voice
         if not isinstance(key, str) or not key:
             raise UnknownVoiceError(f"voice must be a name, an id or {{'id': ...}}, got {voice!r}")
+        if _ID.match(key) and key not in self._registered:
+            self.reload()  # registered by another process sharing the folder
         with self._lock:
             found = self._builtin.get(key.lower()) or self._registered.get(key)
         if found is not None:
