@@ -108,3 +108,41 @@ def test_engine_settings_on_load(upstream_ckpt):
         Chat().load(source="custom", custom_path=upstream_ckpt, device="cpu", block_size=0)
     with pytest.raises(ValueError, match="use_velocity"):
         chat.infer("hello", use_velocity="yes")
+
+
+def test_joined_stream_is_the_texts_in_order_with_faded_joins(chat):
+    """A server's long input: sentences generated several at once, streamed in order as one signal; the joins
+    are faded out and in over FADE samples, nothing is dropped or inserted."""
+    from chattts_velocity.velocity import FADE
+
+    texts = ["first sentence here", "second one", "and a third", "fourth to finish"]
+    p = Chat.InferCodeParams(manual_seed=4, max_new_token=40, min_new_token=20, show_tqdm=False)
+    path = chat._velocity
+    joined = np.concatenate(list(path.stream_joined(texts, p, in_flight=2)))
+    alone = [np.concatenate(list(path.stream_joined([t], p))) for t in texts]
+    assert joined.size == sum(a.size for a in alone)
+    ramp = np.linspace(0.0, 1.0, FADE, dtype=np.float32)
+    expected = []
+    for i, a in enumerate(alone):
+        a = a.copy()
+        if i:
+            a[:FADE] *= ramp
+        if i < len(alone) - 1:
+            a[-FADE:] *= ramp[::-1]
+        expected.append(a)
+    assert np.allclose(joined, np.concatenate(expected), atol=1e-4)
+    assert engine_is_idle(chat)
+
+
+def test_joined_stream_cancel_from_another_thread_aborts_its_requests(chat):
+    import threading
+
+    p = Chat.InferCodeParams(manual_seed=4, max_new_token=300, min_new_token=300, show_tqdm=False)
+    audio = chat._velocity.stream_joined(["long one", "long two", "long three"], p, in_flight=3)
+    first = next(audio)
+    worker = threading.Thread(target=lambda: [None for _ in audio])  # a thread inside the iterator
+    worker.start()
+    audio.cancel()
+    worker.join(30)
+    assert not worker.is_alive() and first.size > 0
+    assert engine_is_idle(chat)
