@@ -8,6 +8,7 @@ length and the first audio comes after ``first_chunk + lookahead`` tokens."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Iterator
@@ -18,8 +19,10 @@ import torch
 from tqdm import tqdm
 
 from .audio import AudioStream, StreamConfig, WindowBatcher
-from .engine import AsyncLLMEngine, Mode, Prompt, RequestOutput, RequestStream, SamplingParams
+from .engine import AsyncLLMEngine, FinishReason, Mode, Prompt, RequestOutput, RequestStream, SamplingParams
 from .params import InferCodeParams, RefineTextParams
+
+logger = logging.getLogger(__name__)
 
 SILENCE = np.float32(1e-5)
 """Samples at or below this magnitude are dropped from the returned audio, as upstream does."""
@@ -93,6 +96,7 @@ class VelocityPath:
             for outputs in _batches(stream):
                 for out in outputs:
                     _progress(bar, out)
+                    _warn_if_cut(out)
                 with self.audio.stream():  # not across the yield: the caller's thread keeps its own stream
                     chunk = call.advance(outputs)
                 if chunk is not None:
@@ -122,6 +126,7 @@ class VelocityPath:
         for outputs in _batches(stream):
             with self.audio.stream():
                 for out in outputs:
+                    _warn_if_cut(out)
                     audio.push(out.new_hidden_states if use_decoder else out.new_token_ids, finished=out.finished)
                 windows = audio.ready()
                 samples = [audio.accept(w, wav) for w, wav in zip(windows, self.batcher.decode(windows, use_decoder),
@@ -168,6 +173,7 @@ class VelocityPath:
             for out in stream:
                 _progress(bar, out)
                 if out.finished:
+                    _warn_if_cut(out)
                     final[out.request_id] = out
         finally:
             bar.close()
@@ -309,6 +315,13 @@ def _aligned(rows: dict[str, list[np.ndarray]], audio: dict[str, AudioStream], o
             rows[rid] = [row[n:]] if row.size > n else []
     chunk = chunk[:, (np.abs(chunk) > SILENCE).any(axis=0)]
     return chunk if chunk.shape[1] else None
+
+
+def _warn_if_cut(out: RequestOutput) -> None:
+    """Say so when a request stopped at its length limit rather than at EOS, as the reference path does."""
+    if out.finish_reason is FinishReason.LENGTH:
+        logger.warning("incomplete result: request %s hit its length limit after %d tokens (max_new_token, the "
+                       "model's context or the KV cache)", out.request_id, out.num_generated)
 
 
 def _bar(p: RefineTextParams, desc: str) -> tqdm:

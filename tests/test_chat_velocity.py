@@ -146,3 +146,14 @@ def test_joined_stream_cancel_from_another_thread_aborts_its_requests(chat):
     worker.join(30)
     assert not worker.is_alive() and first.size > 0
     assert engine_is_idle(chat)
+
+
+def test_velocity_path_warns_when_a_text_hits_its_length_limit(chat, caplog):
+    p = Chat.InferCodeParams(manual_seed=0, max_new_token=6, min_new_token=6, show_tqdm=False)
+    with caplog.at_level("WARNING", logger="chattts_velocity.velocity"):
+        chat.infer(["cut me short"], skip_refine_text=True, split_text=False, params_infer_code=p)
+    assert any("hit its length limit after 6 tokens" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="chattts_velocity.velocity"):
+        list(chat.infer(["cut me short"], stream=True, skip_refine_text=True, split_text=False, params_infer_code=p))
+    assert any("length limit" in r.message for r in caplog.records)
