@@ -208,16 +208,6 @@ class Chat:
         return tok.decode([ids[ids < tok.break_0_ids] for ids in path.refine(texts, params)])
 
 
-def check_context(length: int, limit: int) -> None:
-    """Raise if a prompt of ``length`` tokens leaves no room to generate in a context of ``limit``."""
-    if length >= limit:
-        raise ValueError(
-            f"text is longer than the model's context: the prompt (text, tags and any voice-sample transcript "
-            f"txt_smp) has {length} tokens, the model holds {limit}; shorten the text or txt_smp, or let infer "
-            "split it (split_text=True)"
-        )
-
-
 def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 

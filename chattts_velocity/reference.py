@@ -222,7 +222,7 @@ class ReferencePath:
         return self._generate(prompts, settings, codes, spk, stream)
 
     def _generate(self, prompts: list[str], settings: DecodeSettings, codes, spk, stream: bool):
-        from .chat import check_context
+        from .text import check_context
 
         model, dev = self.model, self.device
         input_ids, attention_mask, text_mask = model.tokenizer.encode(prompts, model.config.num_vq, prompt=codes)

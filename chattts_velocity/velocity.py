@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from .audio import AudioStream, StreamConfig, WindowBatcher
 from .engine import AsyncLLMEngine, FinishReason, Mode, Prompt, RequestOutput, RequestStream, SamplingParams
+from .engine.sequence import Sequence
 from .params import InferCodeParams, RefineTextParams
 
 logger = logging.getLogger(__name__)
@@ -90,15 +91,16 @@ class VelocityPath:
         """[B, n] chunks of the texts' audio as it is generated, silence columns dropped as upstream does with
         its last chunk. Rows stay aligned: a chunk ends where the slowest unfinished row's audio ends."""
         stream = self._submit(self._code_prompts(texts, p), self._code_params(p))
-        call = _StreamingCall(stream, self.stream_config, self.batcher, use_decoder)
+        call = _CallAudio(stream, self.stream_config, self.batcher, use_decoder)
+        rows: dict[str, list[np.ndarray]] = {rid: [] for rid in stream.request_ids}  # decoded, not yet yielded
         bar = _bar(p, "code")
         try:
             for outputs in _batches(stream):
                 for out in outputs:
                     _progress(bar, out)
-                    _warn_if_cut(out)
-                with self.audio.stream():  # not across the yield: the caller's thread keeps its own stream
-                    chunk = call.advance(outputs)
+                for rid, samples in call.advance(outputs).items():
+                    rows[rid] += samples
+                chunk = _aligned(rows, call.audio, stream.request_ids)
                 if chunk is not None:
                     yield chunk
         finally:
@@ -111,28 +113,16 @@ class VelocityPath:
         sentences): up to ``in_flight`` texts generate at once, the next one is submitted as one finishes, and
         each join is smoothed by a short fade out and in (no gap, no click). Every text is validated now, before
         the iterator is returned (``ValueError`` naming the text)."""
-        prompts, params = self._code_prompts(texts, p), self._code_params(p)
-        for i, prompt in enumerate(prompts):
-            try:
-                self.engine.engine.validate_request(prompt, params)
-            except ValueError as e:
-                raise ValueError(f"text {i}: {e}") from None
-        return JoinedAudio(self, prompts, params, use_decoder, in_flight)
+        seqs = self.engine.make_sequences(self._code_prompts(texts, p), self._code_params(p))
+        return JoinedAudio(self, seqs, use_decoder, in_flight)
 
     def _samples(self, stream: RequestStream, use_decoder: bool) -> Iterator[np.ndarray]:
         """One request's audio as it is generated (each chunk decoded once, batched with other calls')."""
         (rid,) = stream.request_ids
-        audio = AudioStream(self.stream_config)
+        call = _CallAudio(stream, self.stream_config, self.batcher, use_decoder)
         for outputs in _batches(stream):
-            with self.audio.stream():
-                for out in outputs:
-                    _warn_if_cut(out)
-                    audio.push(out.new_hidden_states if use_decoder else out.new_token_ids, finished=out.finished)
-                windows = audio.ready()
-                samples = [audio.accept(w, wav) for w, wav in zip(windows, self.batcher.decode(windows, use_decoder),
-                                                                   strict=True)]
+            samples = call.advance(outputs).get(rid)
             if samples:
-                stream.mark_first_audio(rid)
                 yield np.concatenate(samples)
 
     # ---------------------------------------------------------------- requests
@@ -150,7 +140,7 @@ class VelocityPath:
         return self._prompts(decorate_code_prompts(texts, p.prompt, p.txt_smp, p.spk_emb is not None), codes, spk)
 
     def _prompts(self, decorated: list[str], codes, spk) -> list[Prompt]:
-        from .chat import check_context
+        from .text import check_context
 
         tok, num_vq = self.model.tokenizer, self.model.config.num_vq
         prompts = []
@@ -161,7 +151,10 @@ class VelocityPath:
         return prompts
 
     def _submit(self, prompts: list[Prompt], params: SamplingParams) -> RequestStream:
-        stream = self.engine.add_requests(prompts, params)
+        return self._track(self.engine.add_requests(prompts, params))
+
+    def _track(self, stream: RequestStream) -> RequestStream:
+        """Remember a stream in flight, for ``interrupt``."""
         with self._lock:
             self._live.add(stream)
         return stream
@@ -186,12 +179,11 @@ class JoinedAudio:
     thread, even while another thread is inside ``next``: it ends the stream and aborts its requests, without
     touching the generator (which cannot be closed while it runs)."""
 
-    def __init__(self, path: VelocityPath, prompts: list[Prompt], params: SamplingParams, use_decoder: bool,
-                 in_flight: int):
+    def __init__(self, path: VelocityPath, seqs: list[Sequence], use_decoder: bool, in_flight: int):
         self._lock = threading.Lock()
         self._live: list[RequestStream] = []
         self._cancelled = False
-        self._chunks = self._run(path, prompts, params, use_decoder, in_flight)
+        self._chunks = self._run(path, seqs, use_decoder, in_flight)
 
     def __iter__(self) -> JoinedAudio:
         return self
@@ -208,22 +200,22 @@ class JoinedAudio:
 
     close = cancel
 
-    def _submit(self, path: VelocityPath, prompt: Prompt, params: SamplingParams) -> RequestStream | None:
+    def _submit(self, path: VelocityPath, seq: Sequence) -> RequestStream | None:
         with self._lock:
             if self._cancelled:
                 return None
-            stream = path._submit([prompt], params)
+            stream = path._track(path.engine.submit([seq]))
             self._live.append(stream)
             return stream
 
-    def _run(self, path, prompts, params, use_decoder, in_flight) -> Iterator[np.ndarray]:
-        waiting = list(reversed(prompts))
+    def _run(self, path, seqs, use_decoder, in_flight) -> Iterator[np.ndarray]:
+        waiting = list(reversed(seqs))
         try:
             while waiting or self._live:
                 while waiting and len(self._live) < in_flight:
-                    if self._submit(path, waiting.pop(), params) is None:
+                    if self._submit(path, waiting.pop()) is None:
                         return
-                first = len(waiting) + len(self._live) == len(prompts)
+                first = len(waiting) + len(self._live) == len(seqs)
                 last = not waiting and len(self._live) == 1
                 yield from _faded(path._samples(self._live[0], use_decoder), first, last)
                 with self._lock:
@@ -235,27 +227,29 @@ class JoinedAudio:
             self.cancel()
 
 
-class _StreamingCall:
-    """The audio side of one streaming call: a decoder per request, samples not yet handed out."""
+class _CallAudio:
+    """The audio side of one call: an incremental decoder per request."""
 
     def __init__(self, stream: RequestStream, config: StreamConfig, batcher: WindowBatcher, use_decoder: bool):
         self.stream, self.batcher, self.use_decoder = stream, batcher, use_decoder
         self.audio = {rid: AudioStream(config) for rid in stream.request_ids}
-        self.owner = {id(a): rid for rid, a in self.audio.items()}
-        self.rows: dict[str, list[np.ndarray]] = {rid: [] for rid in stream.request_ids}
+        self._owner = {id(a): rid for rid, a in self.audio.items()}
 
-    def advance(self, outputs: list[RequestOutput]) -> np.ndarray | None:
-        """Take new tokens, decode every window they complete (batched with other calls'), return the next
-        aligned chunk if there is one."""
-        for out in outputs:
-            new = out.new_hidden_states if self.use_decoder else out.new_token_ids
-            self.audio[out.request_id].push(new, finished=out.finished)
-        windows = [w for a in self.audio.values() for w in a.ready()]
-        for window, wav in zip(windows, self.batcher.decode(windows, self.use_decoder), strict=True):
-            rid = self.owner[id(window.stream)]
-            self.rows[rid].append(window.stream.accept(window, wav))
-            self.stream.mark_first_audio(rid)
-        return _aligned(self.rows, self.audio, self.stream.request_ids)
+    def advance(self, outputs: list[RequestOutput]) -> dict[str, list[np.ndarray]]:
+        """Take new tokens and decode every window they complete (batched with other calls'): each request's
+        new samples, in order."""
+        new: dict[str, list[np.ndarray]] = {}
+        with self.batcher.audio.stream():  # the pushes concatenate device tensors
+            for out in outputs:
+                _warn_if_cut(out)
+                self.audio[out.request_id].push(out.new_hidden_states if self.use_decoder else out.new_token_ids,
+                                                finished=out.finished)
+            windows = [w for a in self.audio.values() for w in a.ready()]
+            for window, wav in zip(windows, self.batcher.decode(windows, self.use_decoder), strict=True):
+                rid = self._owner[id(window.stream)]
+                new.setdefault(rid, []).append(window.stream.accept(window, wav))
+                self.stream.mark_first_audio(rid)
+        return new
 
 
 FADE = 120

@@ -190,7 +190,7 @@ def _speedups(rows: list[dict]) -> list[dict]:
 def _meta(ctx: _Context) -> dict:
     cfg, device = ctx.config, ctx.device
     return {
-        "device": _device_name(device),
+        "device": device_name(device),
         "torch": torch.__version__,
         "triton": _version("triton"),
         "python": platform.python_version(),
@@ -218,7 +218,7 @@ def _meta(ctx: _Context) -> dict:
     }
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu: {platform.processor() or platform.machine()} ({os.cpu_count()} cores, {sys.platform})"

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..config import SAMPLE_RATE
+from .runner import device_name
 
 TEXT = "Streaming speech for many users at once, chunk by chunk."
 
@@ -152,7 +153,7 @@ def _median(runs: list[dict]) -> dict:
 
 def run_stream_bench(cfg: StreamBenchConfig) -> dict:
     chat = load_chat(cfg, max(cfg.streams))
-    device = _device_name(chat.device)
+    device = device_name(chat.device)
     try:
         for n in sorted({1, min(8, max(cfg.streams))}):  # warm-up: kernels, graphs, audio shapes
             velocity_streams(chat, n, 64)
@@ -166,10 +167,6 @@ def run_stream_bench(cfg: StreamBenchConfig) -> dict:
     finally:
         chat.unload()
     return dict(config=asdict(cfg), device=device, rows=rows)
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def format_table(report: dict) -> str:

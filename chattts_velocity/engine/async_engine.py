@@ -77,11 +77,6 @@ class RequestStream:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
 
-    @property
-    def finished(self) -> bool:
-        """Every request of the stream finished (its outputs may still be unread)."""
-        return not self._pending
-
     def mark_first_audio(self, request_id: str) -> None:
         times = self.times[request_id]
         if times.first_audio is None:
@@ -209,6 +204,12 @@ class AsyncLLMEngine:
                      request_ids: list[str] | None = None) -> RequestStream:
         """Validate every request (``ValueError`` naming the first bad one; nothing is queued then) and queue
         them all; one stream yields their outputs."""
+        return self.submit(self.make_sequences(prompts, params, request_ids))
+
+    def make_sequences(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams],
+                       request_ids: list[str] | None = None) -> list[Sequence]:
+        """Validate requests and build their sequences without queueing them (``submit`` queues them later:
+        a caller that feeds requests in gradually validates them all up front, once)."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts) or (request_ids is not None and len(request_ids) != len(prompts)):
             raise ValueError(f"got {len(prompts)} prompts, {len(params)} SamplingParams and "
@@ -223,6 +224,11 @@ class AsyncLLMEngine:
                 seqs.append(self.engine.make_sequence(rid, prompt, p))
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}" if len(prompts) > 1 else str(e)) from None
+        return seqs
+
+    def submit(self, seqs: list[Sequence]) -> RequestStream:
+        """Queue sequences from ``make_sequences``; one stream yields their outputs."""
+        request_ids = [seq.request_id for seq in seqs]
         stream = RequestStream(self, request_ids)
         with self._lock:
             if self._stopping:

@@ -256,13 +256,14 @@ class LLMEngine:
         others = [seq for seq in live if seq not in culprits]
         self.scheduler.quarantine(others, suspect=not culprits)
         outputs = []
-        for seq in culprits:
-            group = self.requests.pop(seq.request_id)
-            self.scheduler.finish(seq, FinishReason.ERROR)
-            self._totals["num_failed"] += 1
-            out = self._output(group)
-            out.error = err
-            outputs.append(out)
+        with self._reporting():
+            for seq in culprits:
+                group = self.requests.pop(seq.request_id)
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                self._totals["num_failed"] += 1
+                out = self._output(group)
+                out.error = err
+                outputs.append(out)
         return outputs
 
     def stats(self) -> EngineStats:

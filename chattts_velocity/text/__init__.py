@@ -15,13 +15,14 @@ from .speaker import (
     speaker_vector,
 )
 from .split import split_long, split_text
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, check_context
 
 __all__ = [
     "Normalizer",
     "SpeakerStats",
     "Tokenizer",
     "apply_speaker",
+    "check_context",
     "decode_prompt",
     "decode_speaker",
     "decorate_code_prompts",

@@ -76,3 +76,13 @@ class Tokenizer:
     def decode(self, sequences: list[list[int]] | list[torch.Tensor]) -> list[str]:
         """Text of each id sequence, special tokens kept (they carry the refiner's [uv_break] & co.)."""
         return self._tokenizer.batch_decode(sequences, skip_special_tokens=False)
+
+
+def check_context(length: int, limit: int) -> None:
+    """Raise if a prompt of ``length`` tokens leaves no room to generate in a context of ``limit``."""
+    if length >= limit:
+        raise ValueError(
+            f"text is longer than the model's context: the prompt (text, tags and any voice-sample transcript "
+            f"txt_smp) has {length} tokens, the model holds {limit}; shorten the text or txt_smp, or let infer "
+            "split it (split_text=True)"
+        )
