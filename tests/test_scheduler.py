@@ -152,3 +152,20 @@ def test_abort_of_waiting_and_running_frees_everything():
     assert not sched.has_unfinished()
     assert a.finish_reason is FinishReason.ABORT and a.is_finished
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_output_hidden_with_nothing_new_is_empty_like_the_chunks():
+    """A report with no new tokens gives [0, H] hidden states of the chunks' dtype and device (a CPU float32
+    empty tensor after float16 CUDA chunks failed a streaming request on the GPU)."""
+    import dataclasses
+
+    import torch
+
+    seq = make_seq(3)
+    seq.params = dataclasses.replace(seq.params, return_hidden_states=True)
+    assert tuple(seq.output_hidden(8).shape) == (0, 8)
+    seq.extend([(7,) * 4, (8,) * 4])
+    seq.hidden_chunks.append(torch.randn(2, 8, dtype=torch.float16))
+    assert seq.output_hidden(8, 0).dtype == torch.float16 and seq.output_hidden(8, 0).shape == (2, 8)
+    empty = seq.output_hidden(8, 2)
+    assert empty.shape == (0, 8) and empty.dtype == torch.float16

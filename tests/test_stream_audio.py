@@ -190,6 +190,9 @@ def test_push_errors():
         stream.push(torch.zeros(3, 5, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\[n, 4\] torch.int64"):
         stream.push(torch.zeros(3, 4))
+    # an empty push adds nothing, so its dtype/device do not matter (an engine report with no new tokens; seen on
+    # the GPU as a [0, H] CPU tensor after CUDA pushes, which failed a server request mid-stream)
+    stream.push(torch.zeros(0, 4))
     stream.push(torch.zeros(0, 4, dtype=torch.long), finished=True)
     with pytest.raises(ValueError, match="push after finished"):
         stream.push(torch.zeros(1, 4, dtype=torch.long))

@@ -139,7 +139,7 @@ class AudioStream:
             got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be a 2-D tensor [n, C] (hidden states or codes), got {got}")
         like = self._pending[0] if self._pending else self._tokens
-        if like is None:
+        if like is None or tokens.shape[0] == 0:  # an empty push adds nothing, wherever it lives
             return
         if (tokens.shape[1], tokens.dtype, tokens.device) != (like.shape[1], like.dtype, like.device):
             got = f"[{tokens.shape[0]}, {tokens.shape[1]}] {tokens.dtype} on {tokens.device}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -90,6 +90,9 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_and_report(cfg: ServeBenchConfig) -> dict:
+    warm = replace(cfg, requests_per_stream=1)
+    for n in sorted({1, min(8, max(cfg.streams))}):  # untimed: connections, and whatever the server warms lazily
+        asyncio.run(_level(warm, n))
     rows = [asyncio.run(_level(cfg, n)) for n in cfg.streams]
     report = {"config": asdict(cfg), "rows": rows}
     print(f"server {cfg.url}, pcm streaming, {cfg.requests_per_stream} request(s) per client")

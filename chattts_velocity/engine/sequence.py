@@ -121,8 +121,11 @@ class Sequence:
                 break
             parts.append(chunk[-need:])
             need -= len(chunk)
-        if not parts:
-            return torch.empty(0, hidden_size)
+        if not parts:  # nothing new: an empty tensor like the chunks (same device and dtype)
+            like = self.hidden_chunks[-1] if self.hidden_chunks else None
+            if like is None:
+                return torch.empty(0, hidden_size)
+            return like.new_empty(0, hidden_size)
         return parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
 
 

@@ -87,15 +87,8 @@ def build_app(chat, config: ServerConfig | None = None) -> FastAPI:
 
     _install_errors(app, state)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        key = config.api_key
-        if key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {key}":
-                state.metrics.count(request.url.path, 401)
-                return error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                             "authentication_error", code="invalid_api_key")
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(_Auth, key=config.api_key, metrics=state.metrics)
 
     @app.get("/")
     async def root() -> dict:
@@ -200,6 +193,25 @@ async def _speech(state: _State, body: SpeechRequest, request: Request) -> Respo
     return _Admitted(_encoded(state, body, audio, ticket), ticket, media_type=CONTENT_TYPES[body.response_format])
 
 
+class _Auth:
+    """``Authorization: Bearer KEY`` on ``/v1/`` routes, else 401. A plain ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` re-streams every body and ends it cleanly even when the app raised mid-stream, so a
+    failed audio stream would look complete to the client."""
+
+    def __init__(self, app, key: str, metrics: Metrics):
+        self.app, self.expected, self.metrics = app, f"Bearer {key}".encode(), metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+                self.metrics.count(scope["path"], 401)
+                response = error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                 "authentication_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class _Admitted(StreamingResponse):
     """Gives the ticket's queue place back if the body never started (the client left first)."""
 
@@ -260,8 +272,11 @@ async def _encoded(state: _State, body: SpeechRequest, audio, ticket: Ticket) ->
             if data:
                 yield data
         yield encoder.finish()
-    except Exception:  # noqa: BLE001 - the status is sent: all that can be done is to end the body
+    except Exception:
+        # the status is sent: re-raising makes the server drop the connection before the body's end, so the
+        # client sees a broken response (an incomplete chunked body), never a short file that looks whole
         logger.exception("speech generation failed mid-stream")
+        raise
 
 
 async def _sse(state: _State, body: SpeechRequest, audio, ticket: Ticket) -> AsyncIterator[bytes]:
