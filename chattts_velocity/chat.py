@@ -4,9 +4,12 @@ reference decode and audio decoder.
 Deliberate deviations from upstream, each a fix:
 - parameter objects are never mutated (upstream writes ``spk_smp``/``txt_smp`` into the caller's, even the
   shared default, ``InferCodeParams``);
-- bad input raises a ``ValueError`` that says what to fix, before any work: empty text, out-of-range params,
-  malformed speaker strings, text longer than the model's context;
-- ``load`` raises a clear error instead of logging and returning ``False``;
+- bad input raises a ``ValueError`` that says what to fix, before any work: empty text or text with nothing
+  readable left after normalisation, out-of-range params, malformed speaker strings, an unknown device;
+- ``load`` raises a clear error instead of logging and returning ``False``, and is atomic: a failed load
+  leaves the previous model loaded and usable;
+- an interrupt during the refine pass ends the call without audio and says so (upstream returns an empty wav
+  silently); NaN samples are kept, never dropped as silence;
 - blank pieces of a newline split are dropped (upstream synthesises them as empty prompts);
 - in ``stream`` mode the chunk position restarts with each ``max_split_batch`` batch (upstream carries it over
   and skips audio of later batches).
@@ -14,18 +17,48 @@ Deliberate deviations from upstream, each a fix:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .audio import StreamConfig
 from .params import InferCodeParams, RefineTextParams
-from .velocity import SILENCE
+from .velocity import audible
+
+if TYPE_CHECKING:
+    from .audio import AudioDecoder
+    from .engine import AsyncLLMEngine
+    from .model.loader import LoadedModel
+    from .reference import ReferencePath
+    from .velocity import VelocityPath
 
 logger = logging.getLogger(__name__)
+
+_UNLOADED = ("the model was unloaded during this infer call (Chat.unload or another Chat.load ran), which stopped "
+             "its requests: call Chat.load() again, then infer")
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """Everything one ``load`` built. It is swapped in whole, so a failed load changes nothing, and a call
+    keeps the one it started with."""
+
+    model: LoadedModel
+    device: torch.device
+    audio: AudioDecoder
+    engine: AsyncLLMEngine
+    velocity: VelocityPath
+    reference: ReferencePath
+
+    def close(self) -> None:
+        """Stop the engine (its requests in flight are aborted)."""
+        self.engine.shutdown(drain=False)
 
 
 class Chat:
@@ -37,9 +70,33 @@ class Chat:
 
         self.logger = logger or logging.getLogger(__name__)
         self.normalizer = Normalizer(self.logger)
-        self.model = None
-        self.engine = None
+        self._loaded: _Loaded | None = None
+
+    @property
+    def model(self) -> LoadedModel | None:
+        """The loaded model (None before ``load``)."""
+        return None if self._loaded is None else self._loaded.model
+
+    @property
+    def engine(self) -> AsyncLLMEngine | None:
         """The shared ``AsyncLLMEngine`` (after ``load``); ``engine.engine`` is the ``LLMEngine`` it steps."""
+        return None if self._loaded is None else self._loaded.engine
+
+    @property
+    def device(self) -> torch.device:
+        return self._require().device
+
+    @property
+    def audio(self) -> AudioDecoder:
+        return self._require().audio
+
+    @property
+    def _velocity(self) -> VelocityPath:
+        return self._require().velocity
+
+    @property
+    def _reference(self) -> ReferencePath:
+        return self._require().reference
 
     # ------------------------------------------------------------------ loading
     def load(self, source: str = "local", force_redownload: bool = False, compile: bool = False,
@@ -58,30 +115,30 @@ class Chat:
         are prefilled in chunks); ``enable_prefix_caching``; ``engine_dtype`` of the Llama core;
         ``stream_config`` the streaming decode's chunking and context (``StreamConfig``).
         ``compile``, ``use_flash_attn``, ``use_vllm``, ``experimental`` and ``enable_cache`` are accepted for
-        compatibility and change nothing. Returns True; raises ``ModelNotFoundError``/``ValueError``."""
-        from .audio import AudioDecoder
-        from .engine import AsyncLLMEngine, EngineConfig, LLMEngine
+        compatibility and change nothing.
+
+        Atomic: everything new is built before the previous model is let go, so a load that fails leaves the
+        previous one loaded and usable (while both exist, both take memory). Returns True; raises
+        ``ModelNotFoundError``/``ValueError``."""
+        from .device import resolve_device
+        from .engine import EngineConfig
         from .model.loader import ModelLoader, resolve_model_dir
-        from .reference import ReferencePath
-        from .velocity import VelocityPath
 
         engine_config = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, dtype=engine_dtype,
         )
-        device = torch.device(device) if device is not None else _default_device()
+        device = resolve_device(device)
         loader = ModelLoader(device, load_format)
         root = None if load_format == "dummy" else resolve_model_dir(source, custom_path, force_redownload)
         model = loader.load(root)
         if coef is not None:
             _set_coef(model, coef)
-        self.unload()
-        self.model, self.device = model, device
-        self.audio = AudioDecoder(model.dvae, model.decoder, model.vocos, device)
-        self.engine = AsyncLLMEngine(LLMEngine.from_model(model, engine_config, device))
-        self._velocity = VelocityPath(self.engine, model, self.audio, stream_config or StreamConfig())
-        self._reference = ReferencePath(model, self.audio, device)
+        loaded = _build(model, device, engine_config, stream_config or StreamConfig())
+        previous, self._loaded = self._loaded, loaded
+        if previous is not None:
+            previous.close()
         self.logger.info("ChatTTS loaded from %s on %s", root or "random weights", device)
         return True
 
@@ -89,24 +146,23 @@ class Chat:
         return self.model is not None
 
     def unload(self) -> None:
-        """Stop the engine (requests in flight are aborted) and drop the model."""
-        if self.engine is not None:
-            self.engine.shutdown(drain=False)
-        self.model = self.engine = None
-        for name in ("audio", "_velocity", "_reference"):
-            self.__dict__.pop(name, None)
+        """Stop the engine and drop the model. An ``infer`` running now raises a ``RuntimeError`` saying so."""
+        previous, self._loaded = self._loaded, None
+        if previous is not None:
+            previous.close()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _require(self):
-        if self.model is None:
+    def _require(self) -> _Loaded:
+        loaded = self._loaded
+        if loaded is None:
             raise RuntimeError("no model loaded: call Chat.load() first")
-        return self.model
+        return loaded
 
     # ------------------------------------------------------------------ speakers
     def sample_random_speaker(self) -> str:
         """A random speaker string from the checkpoint's speaker statistics."""
-        model = self._require()
+        model = self._require().model
         if model.speaker_stats is None:
             raise ValueError(
                 f"this checkpoint (hidden size {model.config.hidden_size}) has no speaker statistics "
@@ -117,17 +173,16 @@ class Chat:
 
     def sample_audio_speaker(self, wav: np.ndarray | torch.Tensor) -> str:
         """A voice-sample string (``spk_smp``) from a 24 kHz mono wav, through the DVAE encoder."""
-        from .text import encode_prompt
-
-        self._require()
-        return encode_prompt(self.audio.sample_audio(wav))
+        return _voice_sample(self._require(), wav)
 
     def interrupt(self) -> None:
         """Stop every ``infer`` call of this ``Chat`` running now after its current step; each returns (or
-        streams) what was generated so far. To stop only one streaming call, close its generator."""
-        if self.model is not None:
-            self._velocity.interrupt()
-            self._reference.interrupt()
+        streams) what was generated so far, and warns. A call interrupted before its audio pass (during the
+        refine pass) returns no audio. To stop only one streaming call, close its generator."""
+        loaded = self._loaded
+        if loaded is not None:
+            loaded.velocity.interrupt()
+            loaded.reference.interrupt()
 
     # ------------------------------------------------------------------ inference
     def infer(self, text, stream: bool = False, lang: str | None = None, skip_refine_text: bool = False,
@@ -146,70 +201,128 @@ class Chat:
         and ``pass_first_n_batches`` belong to upstream's protocol and are ignored); closing the generator
         aborts the call's requests. ``use_velocity=False`` runs the reference loop, which reproduces upstream
         exactly."""
-        self._require()
-        refine = params_refine_text if params_refine_text is not None else RefineTextParams()
-        code = params_infer_code if params_infer_code is not None else InferCodeParams()
-        refine.validate(1)
-        code.validate(self.model.config.num_vq)
+        state = self._require()
+        cfg = state.model.config
+        refine = _params(params_refine_text, RefineTextParams, "params_refine_text").checked(1, cfg.num_text_tokens)
+        code = _params(params_infer_code, InferCodeParams, "params_infer_code").checked(cfg.num_vq,
+                                                                                        cfg.num_audio_tokens)
         if not isinstance(max_split_batch, int) or max_split_batch < 1:
             raise ValueError(f"max_split_batch must be an int >= 1, got {max_split_batch!r}")
         if not isinstance(use_velocity, bool):
             raise ValueError(f"use_velocity must be a bool, got {use_velocity!r}")
         texts = self._prepare_texts(text, split_text, lang, do_text_normalization, do_homophone_replacement)
-        path = self._velocity if use_velocity else self._reference
-        if not skip_refine_text:
-            texts = self._refine(path, texts, refine)
-            if refine_text_only:
-                return "\n".join(texts) if split_text else texts
-        if split_text and len(texts) > 1 and code.spk_smp is None:
-            # upstream's split mode: the first sentence's audio becomes the voice sample of all sentences
-            first = path.speak([texts[0]], code, use_decoder)[0]
-            code = dataclasses.replace(code, spk_smp=self.sample_audio_speaker(first), txt_smp=texts[0])
+        path = state.velocity if use_velocity else state.reference
+        start = path.interrupts
+        with self._serving(state):
+            if not skip_refine_text:
+                texts = self._refine(path, texts, refine)
+                if refine_text_only:
+                    if path.interrupts != start:
+                        self.logger.warning("infer was interrupted: the texts are refined only so far")
+                    return "\n".join(texts) if split_text else texts
+            if split_text and len(texts) > 1 and code.spk_smp is None and path.interrupts == start:
+                code = self._with_voice_sample(state, path, texts[0], code, use_decoder)
+        if path.interrupts != start:  # before the audio pass: nothing to return
+            self.logger.warning("infer was interrupted before its audio pass (refine or voice sample): no audio")
+            return iter(()) if stream else [np.zeros(0, np.float32)] * (1 if split_text else len(texts))
         if stream:
-            return self._stream(path, texts, code, use_decoder, max_split_batch if split_text else len(texts))
-        batch = len(texts) if use_velocity or not split_text else max_split_batch
-        wavs = [w for i in range(0, len(texts), batch) for w in path.speak(texts[i : i + batch], code, use_decoder)]
-        stripped = [wav[np.abs(wav) > SILENCE] for wav in wavs]
-        return [np.concatenate(stripped)] if split_text else stripped
+            batch = max_split_batch if split_text else len(texts)
+            return self._stream(state, path, texts, code, use_decoder, batch, start)
+        with self._serving(state):
+            batch = len(texts) if use_velocity or not split_text else max_split_batch
+            wavs = [w for i in range(0, len(texts), batch) for w in path.speak(texts[i : i + batch], code, use_decoder)]
+        self._report(wavs, path.interrupts != start)
+        kept = [wav[audible(wav)] for wav in wavs]
+        return [np.concatenate(kept)] if split_text else kept
 
-    def _stream(self, path, texts: list[str], params: InferCodeParams, use_decoder: bool,
-                batch: int) -> Iterator[np.ndarray]:
-        for start in range(0, len(texts), batch):
-            self.logger.info("infer split %d~%d", start, start + min(batch, len(texts) - start))
-            yield from path.stream(texts[start : start + batch], params, use_decoder)
+    def _with_voice_sample(self, state: _Loaded, path, text: str, code: InferCodeParams,
+                           use_decoder: bool) -> InferCodeParams:
+        """Upstream's split mode: the first sentence's audio becomes the voice sample of all sentences (unless
+        it is too short to encode: then they go without one, as a single text would)."""
+        first = path.speak([text], code, use_decoder)[0]
+        try:
+            sample = _voice_sample(state, first)
+        except ValueError as e:
+            self.logger.warning("the first sentence's audio cannot be the voice sample of the others (%s); they "
+                                "are generated without one", e)
+            return code
+        return dataclasses.replace(code, spk_smp=sample, txt_smp=text)
+
+    @contextlib.contextmanager
+    def _serving(self, state: _Loaded) -> Iterator[None]:
+        """Turn an engine shut down under a running call (``unload`` or another ``load``) into a clear error."""
+        from .engine import EngineShutdownError
+
+        try:
+            yield
+        except EngineShutdownError:
+            raise RuntimeError(_UNLOADED) from None
+        if self._loaded is not state:
+            raise RuntimeError(_UNLOADED)
+
+    def _report(self, wavs: list[np.ndarray], interrupted: bool) -> None:
+        """Warn about what the caller would otherwise not see: an interrupt, non-finite samples."""
+        if interrupted:
+            self.logger.warning("infer was interrupted: returning the audio generated before the interrupt")
+        for i, wav in enumerate(wavs):
+            bad = int(np.count_nonzero(~np.isfinite(wav)))
+            if bad:
+                self.logger.warning("wav %d has %d NaN or infinite samples: the model computed non-finite "
+                                    "numbers (with engine_dtype float16, try float32)", i, bad)
+
+    def _stream(self, state: _Loaded, path, texts: list[str], params: InferCodeParams, use_decoder: bool,
+                batch: int, start: int) -> Iterator[np.ndarray]:
+        for first in range(0, len(texts), batch):
+            self.logger.info("infer split %d~%d", first, first + min(batch, len(texts) - first))
+            with self._serving(state):
+                yield from path.stream(texts[first : first + batch], params, use_decoder)
+            if path.interrupts != start:
+                self.logger.warning("infer was interrupted: the stream ends with the audio generated before it")
+                return
 
     def _prepare_texts(self, text, split_text, lang, do_norm, do_homophone) -> list[str]:
-        from .text import split_long
-        from .text import split_text as split_sentences
+        """``text`` (a str or a list of str) as the texts to synthesise (see ``text.prepare_texts``)."""
+        from .text import prepare_texts
 
-        if isinstance(text, str):
-            if not text.strip():
-                raise ValueError("text is empty: give at least one non-blank string")
-            texts = [t for t in split_sentences(text) if t.strip()] if split_text else [text]
-        elif isinstance(text, (list, tuple)) and text and all(isinstance(t, str) for t in text):
-            blank = [i for i, t in enumerate(text) if not t.strip()]
-            if blank:
-                raise ValueError(f"text[{blank[0]}] is empty: every text must be a non-blank string")
-            texts = list(text)
-        else:
-            raise ValueError("text must be a non-empty str or a non-empty list of str")
-        if lang not in (None, "zh", "en"):
-            raise ValueError(f"lang must be None, 'zh' or 'en', got {lang!r}")
-        texts = [self.normalizer(t, do_norm, do_homophone, lang) for t in texts]
-        limit = self.model.config.max_position_embeddings // 2
-        tok = self.model.tokenizer
-        if split_text:
-            texts = [piece for t in texts for piece in split_long(t, tok.count, limit)]
-        return texts
+        model = self._require().model
+        return prepare_texts(text, split_text, lang, lambda t: self.normalizer(t, do_norm, do_homophone, lang),
+                             model.tokenizer.count, model.config.max_position_embeddings // 2)
 
     def _refine(self, path, texts: list[str], params: RefineTextParams) -> list[str]:
         """Refined texts; ids from ``[break_0]`` on are dropped, as upstream does."""
-        tok = self.model.tokenizer
+        tok = path.model.tokenizer
         return tok.decode([ids[ids < tok.break_0_ids] for ids in path.refine(texts, params)])
 
 
-def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+def _params(value, cls: type, name: str):
+    """``value``, which must be a ``cls`` (None: the defaults)."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        how = f"Chat.{cls.__name__}(**{name})" if isinstance(value, dict) else f"Chat.{cls.__name__}(...)"
+        raise TypeError(f"{name} must be a Chat.{cls.__name__}, got {type(value).__name__}: build one with {how}")
+    return value
+
+
+def _voice_sample(state: _Loaded, wav: np.ndarray) -> str:
+    """The voice-sample string of ``wav`` through ``state``'s DVAE encoder."""
+    from .text import encode_prompt
+
+    return encode_prompt(state.audio.sample_audio(wav))
+
+
+def _build(model, device: torch.device, engine_config, stream_config: StreamConfig) -> _Loaded:
+    """The audio decoder, engine and both paths over ``model``; nothing is shared with a previous load."""
+    from .audio import AudioDecoder
+    from .engine import AsyncLLMEngine, LLMEngine
+    from .reference import ReferencePath
+    from .velocity import VelocityPath
+
+    audio = AudioDecoder(model.dvae, model.decoder, model.vocos, device)
+    engine = AsyncLLMEngine(LLMEngine.from_model(model, engine_config, device))
+    return _Loaded(model=model, device=device, audio=audio, engine=engine,
+                   velocity=VelocityPath(engine, model, audio, stream_config),
+                   reference=ReferencePath(model, audio, device))
 
 
 def _set_coef(model, coef: str) -> None:

@@ -1,5 +1,6 @@
-"""``chattts-velocity`` command line: ``say`` (text to a wav file), ``serve`` (the OpenAI-compatible speech
-server), ``make-checkpoint`` (random weights) and ``bench`` (reference vs velocity engine on random weights)."""
+"""``chattts-velocity`` command line: ``say`` (text to a wav file), ``synth`` (a file of lines to audio files),
+``serve`` (the OpenAI-compatible speech server), ``webui`` (the Gradio web demo), ``make-checkpoint`` (random
+weights) and ``bench`` (reference vs velocity engine on random weights)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from .config import SAMPLE_RATE
+from . import __version__
+from .config import SAMPLE_RATE, SAMPLES_PER_TOKEN
 
 if TYPE_CHECKING:
     from .bench.config import BenchConfig
@@ -24,55 +26,115 @@ def _say(args: argparse.Namespace) -> int:
     ext = os.path.splitext(args.output)[1].lower()
     if ext not in (".wav", ".flac", ".ogg"):
         raise ValueError(f"output must end in .wav, .flac or .ogg, got {args.output!r}")
+    _check_writable(args.output)  # before loading and synthesising, not after
+    max_new = args.max_new_token
+    if max_new is None:
+        max_new = DUMMY_MAX_NEW_TOKEN if args.dummy else 2048
+        if args.dummy:
+            print(f"--dummy: random weights never end a sentence, so each pass stops at {max_new} tokens "
+                  f"(~{max_new * SAMPLES_PER_TOKEN / SAMPLE_RATE:.1f} s of noise per sentence); "
+                  "--max-new-token N for more", flush=True)
     chat = _load(args)
     speaker = args.speaker
     if speaker is None and args.random_speaker:
         speaker = chat.sample_random_speaker()
-    code = Chat.InferCodeParams(spk_emb=speaker, manual_seed=args.seed, prompt=args.prompt,
-                                max_new_token=args.max_new_token)
-    refine = Chat.RefineTextParams(manual_seed=args.seed)
+    code = Chat.InferCodeParams(spk_emb=speaker, manual_seed=args.seed, prompt=args.prompt, max_new_token=max_new)
+    refine = Chat.RefineTextParams(manual_seed=args.seed, max_new_token=min(max_new, 384))
     wavs = chat.infer(args.text, skip_refine_text=args.no_refine, params_infer_code=code,
                       params_refine_text=refine)
     audio = np.concatenate(wavs) if wavs else np.zeros(0, dtype=np.float32)
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    os.makedirs(out_dir, exist_ok=True)
     sf.write(args.output, audio, SAMPLE_RATE)
     print(f"wrote {args.output}: {audio.size / SAMPLE_RATE:.2f} s of audio at {SAMPLE_RATE} Hz")
     return 0
 
 
+def _check_writable(path: str) -> None:
+    """Create the folder of ``path`` and make sure the file can be written (what existed stays as it was)."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        existed = os.path.exists(path)
+        with open(path, "ab"):
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as e:
+        raise ValueError(f"cannot write {path!r}: {e.strerror or e}; choose another -o/--output") from None
+
+
 def _load(args: argparse.Namespace, **engine):
     from .chat import Chat
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     chat = Chat()
-    if args.dummy:
-        chat.load(device=args.device, load_format="dummy", **engine)
-    elif args.model is not None:
-        chat.load(source="custom", custom_path=args.model, device=args.device, **engine)
-    else:
-        chat.load(source=args.source, device=args.device, **engine)
+    chat.load(**_weights(args), **engine)
     return chat
+
+
+def _weights(args: argparse.Namespace) -> dict:
+    """Where ``Chat.load`` finds the weights (--dummy, --model or --source) and its --device."""
+    if args.dummy:
+        return dict(device=args.device, load_format="dummy")
+    if args.model is not None:
+        return dict(source="custom", custom_path=args.model, device=args.device)
+    return dict(source=args.source, device=args.device)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
     try:
-        from .server import ServerConfig
         from .server.run import serve
     except ImportError as e:
         raise ValueError(f"the server needs its extras: pip install \"chattts-velocity[server]\" ({e})") from None
-    config = ServerConfig(
-        max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_input_chars=args.max_input_chars,
-        api_key=args.api_key, voices_dir=args.voices_dir, shutdown_timeout_s=args.shutdown_timeout,
-        max_new_token=args.max_new_token,
-    )
+    if _scaled(args):
+        try:
+            from .server.scale import run
+        except ImportError as e:
+            raise ValueError(f"replicas need Ray Serve: pip install \"chattts-velocity[scale]\" ({e})") from None
+        return run(*_scale_settings(args))
+    config = _server_config(args)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     engine = dict(max_num_seqs=args.max_num_seqs or config.max_concurrent * config.in_flight_sentences,
                   kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype or ("float16" if cuda else "float32"))
     chat = _load(args, **engine)
     print(f"serving on http://{args.host}:{args.port} (OpenAI /v1/audio/speech)", flush=True)
     return serve(chat, config, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _server_config(args: argparse.Namespace):
+    from .server import ServerConfig
+
+    return ServerConfig(
+        max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_input_chars=args.max_input_chars,
+        api_key=args.api_key, voices_dir=args.voices_dir, shutdown_timeout_s=args.shutdown_timeout,
+        max_new_token=args.max_new_token,
+    )
+
+
+def _scaled(args: argparse.Namespace) -> bool:
+    return any(v is not None for v in (args.replicas, args.min_replicas, args.max_replicas, args.ray_address))
+
+
+def _scale_settings(args: argparse.Namespace):
+    """``serve --replicas``: (ScaleConfig, ServerConfig, ``Chat.load`` arguments of every replica). Device and
+    dtype left unset are chosen by each replica, where its GPU is."""
+    from .server.scale import ScaleConfig
+
+    config = _server_config(args)
+    load = dict(_weights(args), max_num_seqs=args.max_num_seqs or config.max_concurrent * config.in_flight_sentences,
+                kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype)
+    gpus = args.gpus_per_replica if args.gpus_per_replica is not None else 0 if args.device == "cpu" else 1
+    scale = ScaleConfig(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                        gpus_per_replica=gpus, ray_address=args.ray_address, host=args.host, port=args.port)
+    return scale, config, load
+
+
+def serve_settings(argv: list[str]):
+    """``_scale_settings`` of ``chattts-velocity serve`` options (``scale.app_builder``, for ``serve run``)."""
+    return _scale_settings(build_parser().parse_args(["serve", *argv]))
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -83,6 +145,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", default="huggingface", choices=["huggingface", "local"],
                    help="where to find the real weights when --model is not given")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="CPU threads torch may use (default: torch's choice, one per core); fewer is faster when "
+                        "other processes share the cores")
 
 
 def _add_serve_parser(sub) -> None:
@@ -108,7 +173,92 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--engine-dtype", default=None, choices=["float16", "bfloat16", "float32"],
                    help="engine dtype (default: float16 on CUDA, float32 on CPU)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    r = s.add_argument_group("replicas (Ray Serve: pip install \"chattts-velocity[scale]\")",
+                             "--replicas, --min/--max-replicas or --ray-address serve through Ray Serve: one engine "
+                             "replica per GPU behind Serve's HTTP proxy on --host/--port; every other option applies "
+                             "to each replica.")
+    r.add_argument("--replicas", type=_positive_int, default=None, help="engine replicas (default: 1)")
+    r.add_argument("--min-replicas", type=_positive_int, default=None,
+                   help="with --max-replicas: autoscale on ongoing requests (target: 3/4 of --max-concurrent)")
+    r.add_argument("--max-replicas", type=_positive_int, default=None, help="with --min-replicas: the most replicas")
+    r.add_argument("--gpus-per-replica", type=float, default=None,
+                   help="GPUs each replica reserves (default: 1; 0 with --device cpu)")
+    r.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379 from 'ray start --head'); default: start one here")
     s.set_defaults(func=_serve)
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from .synth import cli
+
+    def load():  # called only when there is work, after the input and the output folder were checked
+        import torch
+
+        cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        return _load(args, max_num_seqs=args.max_num_seqs,
+                     engine_dtype=args.engine_dtype or ("float16" if cuda else "float32"))
+
+    return cli(args, load)
+
+
+def _add_synth_parser(sub) -> None:
+    s = sub.add_parser("synth", help="batch text to audio files: one file per line, resumable",
+                       description="Every line of INPUT (text: one utterance per line; .jsonl: objects with "
+                                   "'text' and optional speaker, seed, temperature, top_p, top_k, prompt, refine, "
+                                   "file) becomes DIR/NNNNNN.FORMAT, all lines through one batched engine. A rerun "
+                                   "skips the lines already in DIR/manifest.jsonl. Exit 1 if some lines failed "
+                                   "(DIR/errors.jsonl), 2 on usage errors.")
+    s.add_argument("input", help="a text file (one line per utterance) or a .jsonl file")
+    s.add_argument("-o", "--out-dir", required=True, help="output folder (created if absent)")
+    s.add_argument("--format", default="wav", choices=["wav", "flac", "mp3", "ogg"],
+                   help="audio format (default: wav)")
+    _add_model_args(s)
+    s.add_argument("--seed", type=int, default=None, help="manual_seed of lines without their own")
+    spk = s.add_mutually_exclusive_group()
+    spk.add_argument("--speaker", default=None, help="speaker string of lines without their own")
+    spk.add_argument("--random-speaker", action="store_true",
+                     help="one random speaker for the run (kept in the manifest, reused on resume)")
+    s.add_argument("--prompt", default="[speed_5]", help="code prompt of lines without their own")
+    s.add_argument("--no-refine", action="store_true", help="skip the text-refine pass (lines may set refine)")
+    s.add_argument("--max-new-token", type=int, default=2048, help="audio tokens per sentence at most")
+    s.add_argument("--concurrency", type=int, default=None,
+                   help="lines in flight (default: twice --max-num-seqs)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="engine: sequences decoded together (default: 64)")
+    s.add_argument("--engine-dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                   help="engine dtype (default: float16 on CUDA, float32 on CPU)")
+    s.set_defaults(func=_synth)
+
+
+def _webui(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        from .webui import DemoConfig, launch
+    except ImportError as e:
+        raise ValueError(f"the web demo needs its extras: pip install \"chattts-velocity[webui]\" ({e})") from None
+    config = DemoConfig(max_new_token=args.max_new_token, concurrency_limit=args.concurrency_limit,
+                        max_queue=args.max_queue)
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    chat = _load(args, max_num_seqs=args.max_num_seqs, engine_dtype="float16" if cuda else "float32")
+    return launch(chat, config, host=args.host, port=args.port, share=args.share)
+
+
+def _add_webui_parser(sub) -> None:
+    w = sub.add_parser("webui", help="the Gradio web demo (ChatTTS's web UI over the shared engine)",
+                       description="Every visitor's requests are batched together in one engine; Stop cancels "
+                                   "only the visitor's own request. Needs the web demo extras: "
+                                   "pip install \"chattts-velocity[webui]\".")
+    _add_model_args(w)
+    w.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    w.add_argument("--port", type=int, default=7860)
+    w.add_argument("--share", action="store_true", help="also open a public Gradio share link")
+    w.add_argument("--max-new-token", type=int, default=2048, help="most audio tokens per sentence (default: 2048)")
+    w.add_argument("--max-num-seqs", type=int, default=64, help="engine: sequences decoded together (default: 64)")
+    w.add_argument("--concurrency-limit", type=int, default=None,
+                   help="visitors generating at once (default: max-num-seqs / 4 sentences each)")
+    w.add_argument("--max-queue", type=int, default=None,
+                   help="generations waiting; beyond, 'queue is full' (default: 4 x the concurrency limit)")
+    w.set_defaults(func=_webui)
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
@@ -208,7 +358,8 @@ def _add_bench_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="chattts-velocity", description=__doc__)
+    p = argparse.ArgumentParser(prog="chattts-velocity", description=__doc__.replace("``", ""))
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     say = sub.add_parser("say", help="synthesise text to an audio file")
@@ -220,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     spk.add_argument("--speaker", default=None, help="a speaker string (from sample_random_speaker)")
     spk.add_argument("--random-speaker", action="store_true", help="sample a random speaker")
     say.add_argument("--prompt", default="[speed_5]", help="code prompt, e.g. [speed_5]")
-    say.add_argument("--max-new-token", type=int, default=2048, help="audio tokens per sentence at most")
+    say.add_argument("--max-new-token", type=int, default=None,
+                     help=f"audio tokens per sentence at most (default: 2048; {DUMMY_MAX_NEW_TOKEN} with --dummy, "
+                          "whose random weights never end a sentence)")
     say.add_argument("--no-refine", action="store_true", help="skip the text-refine pass")
     say.set_defaults(func=_say)
 
@@ -230,9 +383,22 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0, help="random seed")
     mk.set_defaults(func=_make_checkpoint)
 
+    _add_synth_parser(sub)
     _add_serve_parser(sub)
+    _add_webui_parser(sub)
     _add_bench_parser(sub)
     return p
+
+
+DUMMY_MAX_NEW_TOKEN = 48
+"""``say --dummy``'s default length per pass: random weights never sample EOS, so every pass runs to it."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

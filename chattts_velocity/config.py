@@ -53,10 +53,15 @@ class GPTConfig:
     """Parallel audio codebooks."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
-                     "max_position_embeddings", "num_audio_tokens", "num_text_tokens", "num_vq"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"GPT config: {name} must be positive, got {getattr(self, name)}")
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "num_hidden_layers", "max_position_embeddings", "num_audio_tokens", "num_text_tokens", "num_vq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GPT config: {name} must be a positive int, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ValueError(f"GPT config: {name} must be a positive number, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"GPT config: hidden_size {self.hidden_size} is not divisible by num_attention_heads "
@@ -88,7 +93,10 @@ class GPTConfig:
             raise ValueError(f"{path}: missing keys {missing}")
         fields = {k: raw[k] for k in cls.__dataclass_fields__ if raw.get(k) is not None}
         fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
-        return cls(**fields)
+        try:
+            return cls(**fields)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def to_llama_config(self):
         """The transformers ``LlamaConfig`` of the core (no token embedding: inputs are embeddings)."""

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .model.gpt import ChatGPT, position_ids_from_mask
 from .sampling.processors import process_logits
+from .velocity import audible
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,11 @@ class ReferencePath:
         """Calls running now stop after their current step and return what they generated."""
         self._current = next(self._epoch)
 
+    @property
+    def interrupts(self) -> int:
+        """How many times ``interrupt`` was called: a call that sees it change was interrupted."""
+        return self._current
+
     def refine(self, texts: list[str], p) -> list[torch.Tensor]:
         return self.refine_ids(texts, p).ids
 
@@ -206,7 +212,7 @@ class ReferencePath:
             yield wavs[:, length:end]
             length = end
         tail = wavs[:, length:]
-        yield tail[:, np.sum(np.abs(tail) > 1e-5, axis=0) > 0]
+        yield tail[:, audible(tail).any(axis=0)]
 
     def infer_code(self, texts: list[str], stream: bool, p) -> Iterator[GenerationOutput]:
         from .text import decode_prompt, decorate_code_prompts, speaker_vector

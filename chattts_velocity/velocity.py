@@ -29,6 +29,12 @@ SILENCE = np.float32(1e-5)
 """Samples at or below this magnitude are dropped from the returned audio, as upstream does."""
 
 
+def audible(samples: np.ndarray) -> np.ndarray:
+    """Where ``samples`` are above ``SILENCE``. NaN counts as audible: a broken decode must never pass for
+    silence and vanish (``np.abs(nan) > x`` is False)."""
+    return ~(np.abs(samples) <= SILENCE)
+
+
 @dataclass
 class Generated:
     """One request's final output: ids ([T, num_vq] codes or [T] text ids) and hidden states ([T, H] or None)."""
@@ -60,10 +66,13 @@ class VelocityPath:
         """Decodes the stream windows of all concurrent calls together."""
         self._live: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self.interrupts = 0
+        """How many times ``interrupt`` was called: a call that sees it change was interrupted."""
 
     def interrupt(self) -> None:
         """Abort every request in flight; each call returns (or streams) what was generated so far."""
         with self._lock:
+            self.interrupts += 1
             live = list(self._live)
         for stream in live:
             stream.abort()
@@ -307,15 +316,20 @@ def _aligned(rows: dict[str, list[np.ndarray]], audio: dict[str, AudioStream], o
             row = rows[rid][0]
             chunk[i, : min(n, row.size)] = row[:n]
             rows[rid] = [row[n:]] if row.size > n else []
-    chunk = chunk[:, (np.abs(chunk) > SILENCE).any(axis=0)]
+    chunk = chunk[:, audible(chunk).any(axis=0)]
     return chunk if chunk.shape[1] else None
 
 
 def _warn_if_cut(out: RequestOutput) -> None:
-    """Say so when a request stopped at its length limit rather than at EOS, as the reference path does."""
+    """Say so when a request stopped at a length limit rather than at EOS, as the reference path does."""
     if out.finish_reason is FinishReason.LENGTH:
-        logger.warning("incomplete result: request %s hit its length limit after %d tokens (max_new_token, the "
-                       "model's context or the KV cache)", out.request_id, out.num_generated)
+        logger.warning("incomplete result: request %s hit its length limit after %d tokens (max_new_token)",
+                       out.request_id, out.num_generated)
+    elif out.finish_reason is FinishReason.CAPACITY:
+        logger.warning("incomplete result: request %s was cut short after %d tokens, before max_new_token: the "
+                       "model's context or the engine's KV cache holds no longer sequence; give the engine more "
+                       "KV cache (Chat.load's kv_cache_gib or num_kv_blocks) or shorten the text",
+                       out.request_id, out.num_generated)
 
 
 def _bar(p: RefineTextParams, desc: str) -> tqdm:

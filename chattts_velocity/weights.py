@@ -7,20 +7,25 @@ import glob
 import os
 import re
 
+import torch
 from torch import Tensor, nn
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, Tensor]:
-    """All tensors of one ``.safetensors`` file, on the CPU."""
+    """All tensors of one ``.safetensors`` file, on the CPU; a NaN or infinity in any of them is an error
+    naming the file and the tensor (it would decode to NaN audio)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file not found: {path}")
     try:
-        return load_file(str(path))
+        sd = load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+    for key, tensor in sd.items():
+        check_finite(tensor, key, str(path))
+    return sd
 
 
 def read_safetensors_dir(folder: str | os.PathLike) -> dict[str, Tensor]:
@@ -55,16 +60,30 @@ def count_layers(sd: dict[str, Tensor], prefix: str, name: str) -> int:
 
 
 def check_state_dict(module: nn.Module, sd: dict[str, Tensor], name: str) -> None:
-    """Every key of ``module``'s state dict must be in ``sd`` with the same shape, and nothing else may be."""
+    """Every key of ``module``'s state dict must be in ``sd`` with the same shape and kind of dtype (floating
+    point or integer: loading would cast one to the other silently), and nothing else may be there."""
     expected = module.state_dict()
     for key, tensor in expected.items():
         if key not in sd:
             raise ValueError(f"{name}: missing key {key}")
         if sd[key].shape != tensor.shape:
             raise ValueError(f"{name}: {key} has shape {tuple(sd[key].shape)}, expected {tuple(tensor.shape)}")
+        if sd[key].is_floating_point() != tensor.is_floating_point():
+            kind = "a floating-point" if tensor.is_floating_point() else "an integer"
+            raise ValueError(f"{name}: {key} has dtype {sd[key].dtype}, expected {kind} tensor: the file is not a "
+                             "ChatTTS checkpoint or was converted wrongly")
     unexpected = sorted(set(sd) - set(expected))
     if unexpected:
         raise ValueError(f"{name}: unexpected key {unexpected[0]} ({len(unexpected)} unexpected in all)")
+
+
+def check_finite(tensor: Tensor, key: str, name: str) -> None:
+    """A floating-point ``tensor`` must hold no NaN or infinity (they would decode to NaN audio)."""
+    if tensor.is_floating_point():
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise ValueError(f"{name}: {key} has {bad} NaN or infinite values of {tensor.numel()}: the file is "
+                             "corrupt; download the checkpoint again")
 
 
 def load_checked(module: nn.Module, sd: dict[str, Tensor], name: str) -> None:

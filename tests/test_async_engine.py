@@ -291,3 +291,41 @@ def test_a_thousand_requests_with_random_cancellation_leave_the_pool_full_and_me
     assert stats.kv_blocks_used == 0 and stats.num_waiting == stats.num_running == 0
     growth = rss[-1] - rss[1]
     assert growth < 32 * 2**20, f"memory grew by {growth / 2**20:.1f} MiB over 500 requests"
+
+
+def test_health_check_reports_a_stalled_step_a_dead_thread_and_shutdown(chat, make_async, monkeypatch):
+    engine = make_async()
+    engine.check_health(stall_s=0.05)  # idle: healthy however long ago the last step was
+    release, step = threading.Event(), engine.engine.step
+
+    def stalled_step():
+        release.wait(30)
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", stalled_step)
+    stream = engine.add_request(code_prompt(chat, "stall"), seeded(0, 8, min_new=8))
+    threading.Event().wait(0.3)
+    with pytest.raises(RuntimeError, match="without finishing a step"):
+        engine.check_health(stall_s=0.2)
+    engine.check_health(stall_s=30)
+    release.set()
+    assert collect(stream)[0].finish_reason is FinishReason.LENGTH
+    engine.check_health(stall_s=0.2)
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.check_health()
+
+    broken = make_async()
+
+    def fail(seq):
+        raise RuntimeError("injected outside any step")
+
+    monkeypatch.setattr(broken.engine, "add_sequence", fail)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the engine thread's death is expected
+    broken.add_request(code_prompt(chat, "never runs"), seeded(1))
+    for _ in range(500):
+        if not broken._thread.is_alive():
+            break
+        threading.Event().wait(0.01)
+    with pytest.raises(RuntimeError, match="thread died"):
+        broken.check_health()

@@ -120,12 +120,15 @@ def test_speedups_are_velocity_over_reference(both_paths):
         assert s["step_ms_p50"] == pytest.approx(ref["step_ms_p50"] / vel["step_ms_p50"])
 
 
-def test_table_prints_one_line_per_batch_with_both_paths(both_paths):
+def test_table_fits_100_columns_with_a_line_per_path_and_the_speedups(both_paths):
     _, printed = both_paths
     lines = printed.splitlines()
-    body = [line for line in lines if line.split("|")[0].strip() in ("1", "2")]
-    assert len(body) == 2
-    assert all(line.count("x") == 4 for line in body)  # four speedup columns filled
+    assert max(len(line) for line in lines) <= 100
+    for batch in ("1", "2"):
+        i = next(i for i, line in enumerate(lines) if line.split()[:2] == [batch, "reference"])
+        assert lines[i + 1].split()[0] == "velocity" and lines[i + 2].split()[0] == "speedup"
+        assert lines[i + 2].count("x") == 4  # four speedup columns filled
+    assert "The step-time speedup leaves out what tokens/s" in printed
     assert any(line.startswith("wrote ") and line.endswith("bench.json") for line in lines)
 
 

@@ -31,9 +31,10 @@ def test_long_text_is_split_to_fit_the_context(chat):
     assert " ".join(p.strip() for p in pieces).split() == long_text.split()
 
 
-def test_unbreakable_text_longer_than_context(chat):
-    with pytest.raises(ValueError, match="context"):
-        chat.infer("的" * 2000, skip_refine_text=True, params_infer_code=quick())
+def test_unbreakable_text_longer_than_context_is_cut_at_characters(chat):
+    pieces = chat._prepare_texts("的" * 2000, True, None, True, True)
+    assert "".join(pieces) == "的" * 2000 and len(pieces) == 8  # 2000 tokens in pieces of at most 256
+    assert all(chat.model.tokenizer.count(p) <= 256 for p in pieces)
 
 
 @pytest.mark.parametrize("field,value", [

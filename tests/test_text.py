@@ -6,6 +6,7 @@ import copy
 import lzma
 import os
 import random
+import re
 import struct
 
 import ChatTTS
@@ -149,9 +150,10 @@ def test_split_long_with_tokenizer(tok_dir):
     assert all(tok.count(p) <= 20 for p in pieces)
 
 
-def test_split_long_rejects_unbreakable_runs():
-    with pytest.raises(ValueError, match=r"11 tokens.*at most 8"):
-        split_long("ok. abcdefghijk", len, 8)
+def test_split_long_cuts_unbreakable_runs_at_characters():
+    assert split_long("ok. abcdefghijk", len, 8) == ["ok. ", "abcdefgh", "ijk"]
+    tags_as_one = lambda text: len(re.sub(r"\[\w+\]", "#", text))  # noqa: E731 - as the tokenizer counts them
+    assert split_long("[uv_break][laugh]abc", tags_as_one, 2) == ["[uv_break][laugh]", "ab", "c"]  # tags stay whole
     with pytest.raises(ValueError, match="max_tokens"):
         split_long("abc", len, 0)
 

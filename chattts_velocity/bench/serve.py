@@ -1,6 +1,7 @@
 """``chattts-velocity bench serve``: drive a running speech server over HTTP at a sweep of concurrency levels
 (N clients each streaming one pcm request at a time, all started together) and report per level: time to first
-audio p50/p99, inter-chunk gap p99, real-time factor per stream (slowest and median), failures. JSON, a
+audio p50/p99, inter-chunk gap p99, real-time factor per stream (slowest and median) and in total (seconds
+of audio of the whole level per second of its wall time: what several replicas add up to), failures. JSON, a
 markdown table and optionally a PNG."""
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
     wall = time.perf_counter() - start
     gaps = np.diff(arrivals) if len(arrivals) > 1 else np.zeros(1)
     return {"ok": size > 0, "status": 200, "ttfa": arrivals[0] if arrivals else None, "gap_max": float(gaps.max()),
-            "rtf": size / 2 / SAMPLE_RATE / wall}
+            "rtf": size / 2 / SAMPLE_RATE / wall, "audio_s": size / 2 / SAMPLE_RATE}
 
 
 async def _level(cfg: ServeBenchConfig, n: int) -> dict:
@@ -69,7 +70,9 @@ async def _level(cfg: ServeBenchConfig, n: int) -> dict:
         async def user(u: int) -> list[dict]:
             return [await _one(client, cfg, u * cfg.requests_per_stream + k) for k in range(cfg.requests_per_stream)]
 
+        start = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(user(u) for u in range(n))) for r in rs]
+        wall = time.perf_counter() - start
     ok = [r for r in results if r["ok"]]
     pct = (lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan"))  # noqa: E731
     return dict(streams=n, requests=len(results), failures=len(results) - len(ok),
@@ -77,15 +80,17 @@ async def _level(cfg: ServeBenchConfig, n: int) -> dict:
                 ttfa_p50_ms=pct([r["ttfa"] for r in ok], 50), ttfa_p99_ms=pct([r["ttfa"] for r in ok], 99),
                 gap_p99_ms=pct([r["gap_max"] for r in ok], 99),
                 rtf_min=min((r["rtf"] for r in ok), default=float("nan")),
-                rtf_p50=float(np.median([r["rtf"] for r in ok])) if ok else float("nan"))
+                rtf_p50=float(np.median([r["rtf"] for r in ok])) if ok else float("nan"),
+                rtf_total=sum(r["audio_s"] for r in ok) / wall)
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| streams | requests | first audio p50 ms | p99 ms | chunk gap p99 ms | RTF min | RTF p50 | failures |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| streams | requests | first audio p50 ms | p99 ms | chunk gap p99 ms | RTF min | RTF p50 | RTF total "
+             "| failures |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['streams']} | {r['requests']} | {r['ttfa_p50_ms']:.1f} | {r['ttfa_p99_ms']:.1f} | "
-                     f"{r['gap_p99_ms']:.1f} | {r['rtf_min']:.2f} | {r['rtf_p50']:.2f} | {r['failures']} |")
+                     f"{r['gap_p99_ms']:.1f} | {r['rtf_min']:.2f} | {r['rtf_p50']:.2f} | {r['rtf_total']:.1f} | "
+                     f"{r['failures']} |")
     return "\n".join(lines)
 
 

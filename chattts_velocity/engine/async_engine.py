@@ -193,6 +193,8 @@ class AsyncLLMEngine:
         self._drain = True
         self._idle = True
         """No request queued, running or being aborted (updated by the engine thread)."""
+        self._beat = time.monotonic()
+        """When the engine thread last finished a step or woke up to work (``check_health``)."""
         _ENGINES.add(self)
 
     @property
@@ -275,6 +277,18 @@ class AsyncLLMEngine:
         with self._lock:
             return self._lock.wait_for(lambda: self._idle and not (self._new or self._aborts), timeout)
 
+    def check_health(self, stall_s: float = 60.0) -> None:
+        """Raise ``RuntimeError`` if the engine cannot serve: shut down, its thread died, or it has had work for
+        ``stall_s`` seconds without finishing a step (a hung device call). Cheap enough for a health probe."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the engine is shut down")
+            thread, beat, busy = self._thread, self._beat, not self._idle
+        if thread is not None and not thread.is_alive():
+            raise RuntimeError("the engine thread died (the log has its traceback)")
+        if busy and time.monotonic() - beat > stall_s:
+            raise RuntimeError(f"the engine has had work for over {stall_s:g} s without finishing a step")
+
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Take no new requests; with ``drain`` finish the queued and running ones, else abort them. Waits up
         to ``timeout`` seconds for the engine thread."""
@@ -319,6 +333,8 @@ class AsyncLLMEngine:
                     return
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
+                if self._idle:
+                    self._beat = time.monotonic()
                 self._idle = False
             for seq, _ in new:
                 engine.add_sequence(seq)
@@ -335,6 +351,7 @@ class AsyncLLMEngine:
         now = time.monotonic()
         with self._lock:
             self._stats = self.engine.stats()
+            self._beat = now
             streams = [self._streams.get(out.request_id) for out in outputs]
             for out in outputs:
                 if out.finished and out.request_id in self._streams:

@@ -20,7 +20,7 @@ import torch
 from .block_manager import BlockSpaceManager
 from .config import EngineConfig
 from .decode import Window
-from .sampling_params import SamplingParams
+from .sampling_params import Mode, SamplingParams
 from .scheduler import Scheduler
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence, SequenceGroup
 from .worker import Worker
@@ -84,6 +84,11 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.model_config.max_position_embeddings
 
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens the whole KV cache holds: the longest sequence (prompt + output) it can serve."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         """Queue a request; raises ``ValueError`` (and changes nothing) if it can never be served."""
@@ -104,7 +109,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _sequence(self, seq_id, request_id, tokens, is_text, speaker, params, seed) -> Sequence:
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        capacity = self.kv_capacity
         speaker = None if speaker is None else speaker.detach().to(torch.float32).cpu()
         speaker_key = b"" if speaker is None else hashlib.blake2b(speaker.numpy().tobytes(), digest_size=16).digest()
         max_tokens = min(len(tokens) + params.max_new_tokens, self.max_model_len, capacity)
@@ -119,9 +124,10 @@ class LLMEngine:
 
     def validate_request(self, prompt: Prompt, params: SamplingParams) -> tuple[list[tuple[int, ...]], list[bool]]:
         """Raise ``ValueError`` saying what to fix if the request can never be served; else its tokens."""
-        params.validate(self.model_config.num_vq)
+        cfg = self.model_config
+        params.validate(cfg.num_vq, cfg.num_text_tokens if params.mode is Mode.TEXT else cfg.num_audio_tokens)
         tokens, is_text = self._check_prompt(prompt)
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        capacity = self.kv_capacity
         if len(tokens) >= min(self.max_model_len, capacity):
             limit = "the model's context" if self.max_model_len <= capacity else "the KV cache"
             raise ValueError(
@@ -312,12 +318,17 @@ class LLMEngine:
         seq.num_computed_tokens += taken + hit_eos  # the EOS step computed a token too
         seq.extend(tokens[:taken])
         self._totals["num_generated_tokens"] += taken
-        reason = FinishReason.EOS if hit_eos else FinishReason.LENGTH if taken == room else None
+        reason = FinishReason.EOS if hit_eos else self._limit(seq) if taken == room else None
         if taken and seq.params.return_hidden_states:
             seq.hidden_chunks.append(hidden[:taken])
         self.block_manager.cache_full_blocks(seq)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+
+    @staticmethod
+    def _limit(seq: Sequence) -> FinishReason:
+        """Why a sequence stopped at its length limit: the length asked for, or the context/KV cache first."""
+        return FinishReason.LENGTH if seq.num_generated >= seq.params.max_new_tokens else FinishReason.CAPACITY
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         seq, start = group.seq, group.num_reported

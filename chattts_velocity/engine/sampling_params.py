@@ -5,8 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ..params import _is_int, _is_num
-from ..sampling.processors import PENALTY_WINDOW
+from ..params import _is_int, _is_num, _plain, _short
+from ..sampling.processors import (
+    MAX_COUNT,
+    MAX_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_PENALTY,
+    MIN_TEMPERATURE,
+    PENALTY_WINDOW,
+)
 
 MAX_PENALTY_WINDOW = 64
 """Widest repetition-penalty window (the multi-step decoder keeps this many recent ids per row on the device)."""
@@ -30,7 +37,7 @@ class SamplingParams:
     top_p: float | None = 0.7
     """Nucleus mass in (0, 1]; None disables."""
     top_k: int | None = 20
-    """Keep the k best (at least 3); None disables."""
+    """Keep the k best (at least 3), k at most the vocabulary; None disables."""
     repetition_penalty: float | None = 1.05
     """ChatTTS penalty over the last ``penalty_window`` generated ids of each codebook; None or 1 disables."""
     penalty_window: int = PENALTY_WINDOW
@@ -48,26 +55,33 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
         temps = self.temperature if isinstance(self.temperature, (tuple, list)) else (self.temperature,)
-        object.__setattr__(self, "temperature", tuple(temps))
+        object.__setattr__(self, "temperature", tuple(_plain(t) for t in temps))
+        for name in ("top_p", "top_k", "repetition_penalty", "penalty_window", "min_new_tokens", "max_new_tokens",
+                     "seed"):  # numpy scalars as Python numbers, so every later conversion is exact
+            object.__setattr__(self, name, _plain(getattr(self, name)))
 
-    def validate(self, num_vq: int) -> None:
-        """Raise ``ValueError`` naming the first bad field and what it accepts."""
+    def validate(self, num_vq: int, vocab: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first bad field and what it accepts. Every field is bounded to what
+        the sampler represents (see ``sampling.processors``); ``vocab`` (ids per row) bounds ``top_k``."""
         if len(self.temperature) not in (1, num_vq) or (self.mode is Mode.TEXT and len(self.temperature) != 1):
             allowed = "1 value" if self.mode is Mode.TEXT else f"1 or {num_vq} values"
             raise ValueError(f"temperature must have {allowed}, got {len(self.temperature)}")
         for t in self.temperature:
-            _check(_is_num(t) and t > 0, "temperature", t, "numbers > 0")
+            _check(_is_num(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE, "temperature", t,
+                   f"numbers in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
         if self.top_p is not None:
             _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1] or None")
         if self.top_k is not None:
-            _check(_is_int(self.top_k) and self.top_k >= 1, "top_k", self.top_k, "an int >= 1 or None")
+            top = MAX_COUNT if vocab is None else vocab
+            _check(_is_int(self.top_k) and 1 <= self.top_k <= top, "top_k", self.top_k, f"an int in [1, {top}] or None")
         if self.repetition_penalty is not None:
-            _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-                   self.repetition_penalty, "a number > 0 or None")
+            _check(_is_num(self.repetition_penalty) and MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY,
+                   "repetition_penalty", self.repetition_penalty,
+                   f"a number in [{MIN_PENALTY:g}, {MAX_PENALTY:g}] or None")
         _check(_is_int(self.penalty_window) and 1 <= self.penalty_window <= MAX_PENALTY_WINDOW, "penalty_window",
                self.penalty_window, f"an int in [1, {MAX_PENALTY_WINDOW}]")
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens,
-               "an int >= 1")
+        _check(_is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_COUNT, "max_new_tokens",
+               self.max_new_tokens, f"an int in [1, {MAX_COUNT}]")
         _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
                self.min_new_tokens, f"an int in [0, max_new_tokens={self.max_new_tokens}]")
         if self.seed is not None:
@@ -81,4 +95,4 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")
+        raise ValueError(f"SamplingParams.{name}={_short(value)} is invalid: must be {allowed}")

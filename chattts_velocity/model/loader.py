@@ -19,9 +19,9 @@ from .gpt import ChatGPT
 logger = logging.getLogger(__name__)
 SOURCES = ("huggingface", "local", "custom")
 HOW_TO_GET = (
-    f"Download the weights with `huggingface-cli download {HF_REPO_ID}` (needs internet), pass a folder with the "
-    "upstream asset/ layout (`--model DIR`, or `Chat.load(source='custom', custom_path=DIR)`), "
-    "or use random weights offline (`--dummy`, `load_format='dummy'`)."
+    f"Download the weights with `hf download {HF_REPO_ID}` (huggingface_hub's command line; needs internet), "
+    "pass a folder with the upstream asset/ layout (`--model DIR`, or `Chat.load(source='custom', "
+    "custom_path=DIR)`), or use random weights offline (`--dummy`, `load_format='dummy'`)."
 )
 
 
@@ -30,6 +30,10 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def _raise_if_incomplete(root: Path) -> None:
+    if not root.is_dir():
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise ModelNotFoundError(f"no such folder: {root} {what}; the model folder must hold the upstream asset/ "
+                                 f"layout ({', '.join(ASSET_FILES.values())}). {HOW_TO_GET}")
     missing = missing_assets(root)
     if missing:
         raise ModelNotFoundError(f"incomplete ChatTTS checkpoint in {root}: missing {', '.join(missing)}. {HOW_TO_GET}")
@@ -229,6 +233,9 @@ def _speaker_stats(root: Path, hidden: int):
         sd = read_safetensors(path)
         if "std" not in sd or "mean" not in sd or sd["std"].shape != (hidden,) or sd["mean"].shape != (hidden,):
             raise ValueError(f"{path}: needs float16 tensors 'std' and 'mean' of shape ({hidden},)")
+        for key in ("std", "mean"):
+            if not sd[key].is_floating_point():
+                raise ValueError(f"{path}: {key} has dtype {sd[key].dtype}, expected float16")
         return SpeakerStats(sd["std"].to(torch.float16), sd["mean"].to(torch.float16))
     if hidden == FULL_GPT.hidden_size:
         return SpeakerStats.builtin_768()

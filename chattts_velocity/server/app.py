@@ -53,9 +53,9 @@ def _trim() -> None:
 
 
 class _State:
-    def __init__(self, chat, config: ServerConfig):
+    def __init__(self, chat, config: ServerConfig, cluster=None):
         self.chat, self.config = chat, config
-        self.voices = VoiceRegistry(chat, config.voices_dir)
+        self.voices = VoiceRegistry(chat, config.voices_dir, None if cluster is None else cluster.voices)
         self.admission = Admission(config.max_concurrent, config.max_queue)
         self.metrics = Metrics(chat.engine, self.admission)
         self.draining = False
@@ -73,10 +73,12 @@ class _State:
             threading.Thread(target=_trim, daemon=True).start()
 
 
-def build_app(chat, config: ServerConfig | None = None) -> FastAPI:
-    """The app over a loaded ``Chat``."""
+def build_app(chat, config: ServerConfig | None = None, cluster=None) -> FastAPI:
+    """The app over a loaded ``Chat``. ``cluster`` is set on a Ray Serve replica (``cluster.ReplicaLink``):
+    registered voices go to its ``voices`` store, which every replica reads, and ``/metrics`` renders every
+    replica's series (``await cluster.render_metrics(metrics)``). Without it the app serves this process alone."""
     config = config or ServerConfig()
-    state = _State(chat, config)
+    state = _State(chat, config, cluster)
     app = FastAPI(title="chattts-velocity", version="0.1.0")
     app.state.speech = state
     limiter = anyio.to_thread.current_default_thread_limiter
@@ -103,7 +105,10 @@ def build_app(chat, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        body, content_type = state.metrics.render()
+        if cluster is None:
+            body, content_type = state.metrics.render()
+        else:
+            body, content_type = await cluster.render_metrics(state.metrics)
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")

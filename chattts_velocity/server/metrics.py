@@ -1,10 +1,11 @@
 """Prometheus metrics of the speech server (``GET /metrics``): requests by route and status, the admission
 queue, the engine's load (sequences waiting and running, KV blocks in use, preemptions, tokens) read from its
-stats at scrape time, and histograms of time to first audio and real-time factor."""
+stats at scrape time, and histograms of time to first audio and real-time factor. Under Ray Serve
+(``scale.py``) each replica's families are gathered and ``render_replicas`` renders them all, labelled by replica."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _TTFA_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2, 5, 10)
@@ -41,6 +42,16 @@ class Metrics:
             self.rtf.observe(audio_s / wall_s)
 
     def render(self) -> tuple[bytes, str]:
+        self.refresh()
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def collect(self) -> list[Metric]:
+        """Every family, refreshed now (what a replica reports to the others)."""
+        self.refresh()
+        return list(self.registry.collect())
+
+    def refresh(self) -> None:
+        """Set the gauges from the admission counts and the engine's latest stats."""
         stats = self.engine.stats().engine
         self.queue.set(self.admission.waiting)
         self.running.set(self.admission.running)
@@ -50,4 +61,26 @@ class Metrics:
         self.kv_total.set(stats.kv_blocks_total)
         self.preemptions.set(stats.num_preemptions)
         self.tokens.set(stats.num_generated_tokens)
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _Replicas:
+    """A collector of several replicas' families: one family per name, each sample labelled ``replica``."""
+
+    def __init__(self, families_by_replica: dict[str, list[Metric]]):
+        self.families_by_replica = families_by_replica
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for replica, families in sorted(self.families_by_replica.items()):
+            for family in families:
+                into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                             family.unit))
+                into.samples += [s._replace(labels={**s.labels, "replica": replica}) for s in family.samples]
+        yield from merged.values()
+
+
+def render_replicas(families_by_replica: dict[str, list[Metric]]) -> tuple[bytes, str]:
+    """One exposition of several replicas' ``Metrics.collect()``, every series labelled with its replica."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Replicas(families_by_replica))
+    return generate_latest(registry), CONTENT_TYPE_LATEST

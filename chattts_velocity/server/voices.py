@@ -1,6 +1,6 @@
 """Voices of the speech server: OpenAI's voice names, each a fixed built-in speaker; ChatTTS speaker strings;
 and voices registered from an uploaded sample (its DVAE codes and transcript), kept in a folder across
-restarts."""
+restarts and, under Ray Serve, published to a store every replica reads (``scale.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 import threading
 import uuid
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
@@ -38,12 +39,23 @@ class Voice:
     """... and what is said in it."""
 
 
-class VoiceRegistry:
-    """Built-in, registered and inline voices. Thread-safe; registered voices are JSON files in ``folder``."""
+class SharedVoices(Protocol):
+    """Registered voices shared by several servers (Ray Serve replicas), as ``asdict(Voice)`` records. Its
+    calls may block: the registry is used from worker threads only."""
 
-    def __init__(self, chat, folder: str | None = None):
+    def put(self, record: dict) -> None: ...
+
+    def all(self) -> list[dict]: ...
+
+
+class VoiceRegistry:
+    """Built-in, registered and inline voices. Thread-safe; registered voices are JSON files in ``folder``
+    and, with ``shared``, records every other replica finds."""
+
+    def __init__(self, chat, folder: str | None = None, shared: SharedVoices | None = None):
         self.chat = chat
         self.folder = folder
+        self.shared = shared
         self._lock = threading.Lock()
         self._builtin = {name: Voice(name, name, spk_emb=self._builtin_speaker(i))
                          for i, name in enumerate(OPENAI_VOICES)}
@@ -74,7 +86,7 @@ class VoiceRegistry:
         if not isinstance(key, str) or not key:
             raise UnknownVoiceError(f"voice must be a name, an id or {{'id': ...}}, got {voice!r}")
         if _ID.match(key) and key not in self._registered:
-            self.reload()  # registered by another process sharing the folder
+            self.reload()  # registered by another process sharing the folder or the store
         with self._lock:
             found = self._builtin.get(key.lower()) or self._registered.get(key)
         if found is not None:
@@ -103,19 +115,24 @@ class VoiceRegistry:
                 with open(tmp, "w", encoding="utf-8") as f:
                     json.dump(asdict(voice), f)
                 os.replace(tmp, path)  # never a half-written voice
+        if self.shared is not None:
+            self.shared.put(asdict(voice))
         return voice
 
     def reload(self) -> None:
-        """Pick up voices another process registered in the folder (several replicas share it)."""
-        if not self.folder:
-            return
-        for file in os.listdir(self.folder):
+        """Pick up voices other processes registered: in the folder (several servers may share it) and in the
+        shared store."""
+        found = []
+        for file in os.listdir(self.folder) if self.folder else ():
             vid = file.removesuffix(".json")
             if file.endswith(".json") and _ID.match(vid) and vid not in self._registered:
                 with open(os.path.join(self.folder, file), encoding="utf-8") as f:
-                    voice = Voice(**json.load(f))
-                with self._lock:
-                    self._registered[voice.id] = voice
+                    found.append(Voice(**json.load(f)))
+        if self.shared is not None:
+            found += [Voice(**record) for record in self.shared.all() if record["id"] not in self._registered]
+        with self._lock:
+            for voice in found:
+                self._registered.setdefault(voice.id, voice)
 
 
 def read_sample(data: bytes, max_seconds: float = 60.0):

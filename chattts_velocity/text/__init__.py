@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .normalizer import Normalizer
+from .normalizer import Normalizer, is_speakable
+from .prepare import prepare_texts
 from .speaker import (
     SpeakerStats,
     apply_speaker,
@@ -29,6 +30,8 @@ __all__ = [
     "decorate_text_prompts",
     "encode_prompt",
     "encode_speaker",
+    "is_speakable",
+    "prepare_texts",
     "speaker_vector",
     "split_long",
     "split_text",

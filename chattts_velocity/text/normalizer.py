@@ -17,6 +17,7 @@ _REJECT = re.compile(r"[^\u4e00-\u9fffA-Za-z，。、,\. ]")
 # Control tags such as [uv_break] are legal whatever characters they contain.
 _TAG = re.compile(r"\[[\w_]+\]")
 _CHINESE_CHAR = re.compile(r"[\u4e00-\u9fff]")
+_READABLE = re.compile(r"[\u4e00-\u9fffA-Za-z]")
 _ENGLISH_WORD = re.compile(r"\b[A-Za-z]+\b")
 
 # Applied only when the text has invalid characters: folds pauses into the commas / stops the model knows.
@@ -85,6 +86,12 @@ def _load_homophones() -> dict[int, int]:
     return {ord(k): ord(v) for k, v in pairs.items()}
 
 
+def is_speakable(text: str) -> bool:
+    """Whether normalised ``text`` has anything to say: a Chinese character or a Latin letter outside the
+    ``[...]`` tags (punctuation, spaces and tags alone are no speech)."""
+    return _READABLE.search(_TAG.sub("", text)) is not None
+
+
 class Normalizer:
     """Clean text for the model: optional per-language normalisers, punctuation folding, homophone fixes.
 
@@ -111,11 +118,13 @@ class Normalizer:
                 text = text.translate(_HALF_TO_FULL)
         invalid = set(_REJECT.findall(_TAG.sub("", text)))
         if invalid:
-            self.logger.info("found invalid characters: %s", invalid)
             text = text.translate(_SIMPLIFY)
         if do_homophone_replacement:
             text = self._replace_homophones(text)
         if invalid:
+            dropped = sorted(set(_REJECT.findall(_TAG.sub("", text))))  # what no mapping turned into punctuation
+            if dropped:
+                self.logger.warning("dropped characters the model cannot read: %s", dropped)
             text = _map_between_tags(text, lambda run: _REJECT.sub("", run))
         return text
 

@@ -184,7 +184,12 @@ def speaker_vector(spk: str | torch.Tensor, dim: int) -> torch.Tensor:
         vec = spk
     else:
         raise ValueError(f"speaker must be a spk_emb string or a tensor, got {type(spk).__name__}")
-    return F.normalize(vec, p=2.0, dim=0, eps=1e-12)
+    unit = F.normalize(vec, p=2.0, dim=0, eps=1e-12)
+    if not torch.isfinite(unit).all() or not unit.any():  # 0 / 0: no direction to normalise
+        what = _SPEAKER if isinstance(spk, str) else "speaker vector"
+        raise ValueError(f"{what}: it is all zeros (or too small to normalise in {vec.dtype}), which is no "
+                         "speaker; use one from Chat.sample_random_speaker()")
+    return unit
 
 
 @torch.inference_mode()

@@ -1,0 +1,31 @@
+"""Which torch device the model runs on: the default, and a clear error for one that does not exist here."""
+
+from __future__ import annotations
+
+import torch
+
+
+def available_devices() -> list[str]:
+    """The devices this machine can run the model on."""
+    cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return ["cpu", *cuda]
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device`` as a ``torch.device`` that exists here (None: cuda if available, else cpu); ``ValueError``
+    listing the devices that do exist."""
+    if device is None:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    here = ", ".join(available_devices())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"unknown device {device!r}: devices here are {here}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available on this machine (no GPU, or a CPU-only torch); "
+                         f"devices here are {here}")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} does not exist: devices here are {here}")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: the model runs on cpu or cuda; devices here are {here}")
+    return dev

@@ -1,0 +1,146 @@
+"""Every script in ``examples/`` runs against a tiny checkpoint and writes what it says it wrote. The scripts run
+as subprocesses, all at once (each spends most of its time importing and loading), the speech-server client
+against a server of its own."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import soundfile as sf
+from server_helpers import API_KEY, ServerProcess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENS = 16
+SECONDS_PER_TOKEN = 512 / 24000
+EXAMPLES = {
+    "offline": ["--no-refine", "--text", "Hello there. This is the second sentence."],
+    "batch": [],
+    "voice_clone": [],
+    "streaming": [],
+    "engine_direct": [],
+}
+CLIENT_INPUT = "Hello from the server. A second sentence."
+
+
+PARALLEL = 2
+"""Example processes at a time (beside the server): each is mostly imports and loading, one core's worth."""
+
+
+@pytest.fixture(scope="module")
+def runs(upstream_ckpt, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, str]]:
+    """name -> (finished process, its output folder)."""
+    model = ["--model", upstream_ckpt, "--device", "cpu", "--max-new-token", str(TOKENS)]
+    waiting = [(name, model + args) for name, args in EXAMPLES.items()]
+    running: dict[str, tuple[subprocess.Popen, str]] = {}
+    done: dict[str, tuple[subprocess.CompletedProcess, str]] = {}
+
+    def start(name: str, args: list[str]) -> None:
+        out = str(tmp_path_factory.mktemp(name))
+        cmd = [sys.executable, os.path.join(ROOT, "examples", f"{name}.py"), *args, "--out", out]
+        running[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out)
+
+    def reap(block: bool) -> None:
+        for name, (proc, out) in list(running.items()):
+            if block or proc.poll() is not None:
+                try:
+                    stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    stdout, stderr = proc.communicate()
+                done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), out)
+                del running[name]
+
+    deadline = time.monotonic() + 300
+    for name, args in waiting[:PARALLEL]:
+        start(name, args)
+    server = ServerProcess(upstream_ckpt, "--max-new-token", str(TOKENS))  # comes up while those two run
+    try:
+        waiting = waiting[PARALLEL:] + [("openai_client", ["--base-url", server.url + "/v1", "--api-key", API_KEY,
+                                                            "--seed", "1", "--input", CLIENT_INPUT])]
+        while (waiting or running) and time.monotonic() < deadline:
+            reap(block=False)
+            while waiting and len(running) < PARALLEL:
+                start(*waiting.pop(0))
+            time.sleep(0.1)
+        reap(block=True)
+    finally:
+        for proc, _ in running.values():
+            proc.kill()
+        server.stop()
+    return done
+
+
+def finished(runs, name: str) -> tuple[str, str]:
+    proc, out = runs[name]
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc.stdout, out
+
+
+def seconds(path: str) -> float:
+    info = sf.info(path)
+    assert info.samplerate == 24000 and info.channels == 1
+    return info.frames / 24000
+
+
+def printed_seconds(stdout: str, path: str) -> float:
+    return float(re.search(re.escape(path) + r":.*?([\d.]+) s", stdout).group(1))
+
+
+def test_offline_writes_the_wav_it_reports(runs):
+    stdout, out = finished(runs, "offline")
+    path = os.path.join(out, "offline.wav")
+    assert 0 < seconds(path) <= 2 * TOKENS * SECONDS_PER_TOKEN  # two sentences of at most TOKENS tokens
+    assert abs(seconds(path) - printed_seconds(stdout, path)) < 0.01
+
+
+def test_batch_writes_the_good_lines_and_reports_the_bad_one(runs):
+    stdout, out = finished(runs, "batch")
+    files = sorted(f for f in os.listdir(out) if f.endswith(".wav"))
+    assert files == ["000001.wav", "000002.wav", "000005.wav", "custom_name.wav"]
+    assert "line 4 failed: top_P=3" in stdout and "4 written, 0 already done, 1 failed" in stdout
+    for name in files:
+        assert 0 < seconds(os.path.join(out, name)) <= TOKENS * SECONDS_PER_TOKEN
+    with open(os.path.join(out, "manifest.jsonl")) as f:
+        assert len(f.read().splitlines()) == 4
+
+
+def test_voice_clone_makes_a_sample_then_speaks_in_its_voice(runs):
+    stdout, out = finished(runs, "voice_clone")
+    assert "no --sample given" in stdout
+    assert seconds(os.path.join(out, "sample.wav")) > 0
+    path = os.path.join(out, "cloned.wav")
+    assert 0 < seconds(path) <= TOKENS * SECONDS_PER_TOKEN
+    assert abs(seconds(path) - printed_seconds(stdout, path)) < 0.01
+
+
+def test_streaming_writes_every_chunk_it_received(runs):
+    stdout, out = finished(runs, "streaming")
+    first_ms = float(re.search(r"first chunk after (\d+) ms", stdout).group(1))
+    path = os.path.join(out, "streamed.wav")
+    chunks = int(re.search(r"(\d+) chunks", stdout).group(1))
+    assert first_ms > 0 and chunks >= 1
+    assert 0 < seconds(path) <= TOKENS * SECONDS_PER_TOKEN
+    assert abs(seconds(path) - printed_seconds(stdout, path)) < 0.01
+
+
+def test_engine_direct_decodes_every_request(runs):
+    stdout, out = finished(runs, "engine_direct")
+    for i in range(3):
+        path = os.path.join(out, f"engine_{i}.wav")
+        tokens = int(re.search(re.escape(path) + r": (\d+) tokens", stdout).group(1))
+        assert 1 <= tokens <= TOKENS
+        assert abs(seconds(path) - tokens * SECONDS_PER_TOKEN) <= SECONDS_PER_TOKEN  # one token's worth of edge
+    assert re.search(r"\d+ engine steps in [\d.]+ s, \d+ tokens generated, largest batch 3", stdout)
+
+
+def test_openai_client_streams_pcm_into_a_wav(runs):
+    stdout, out = finished(runs, "openai_client")
+    path = os.path.join(out, "speech.wav")
+    assert "first audio after" in stdout
+    assert 0 < seconds(path) <= 2 * TOKENS * SECONDS_PER_TOKEN  # two sentences of at most TOKENS tokens
+    assert abs(seconds(path) - printed_seconds(stdout, path)) < 0.01
