@@ -182,3 +182,18 @@ def test_dummy_and_loaded_vocos_are_built_alike(tiny_dir):
     loaded = load_vocos(str(tiny_dir / "asset" / "Vocos.safetensors"), "cpu")
     mel = torch.randn(1, 100, 12)
     assert built.decode(mel).shape == loaded.decode(mel).shape == (1, 11 * 256)
+
+
+def test_the_engine_and_the_reference_model_hold_the_fused_weights_once(chat):
+    """In the core's dtype and device the transformers layers' q/k/v and gate/up weights are views of the
+    engine's fused matrices (the others are the same tensors), so each weight is held once."""
+    core = chat.engine.engine.worker.core
+    for hf, mine in zip(chat.model.gpt.llama.layers, core.layers, strict=True):
+        att, mlp = hf.self_attn, hf.mlp
+        for linears, fused in (([att.q_proj, att.k_proj, att.v_proj], mine.qkv), ([mlp.gate_proj, mlp.up_proj],
+                                                                                   mine.gate_up)):
+            stacked = torch.cat([m.weight for m in linears])
+            assert torch.equal(stacked, fused)
+            assert all(m.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() for m in linears)
+        assert att.o_proj.weight.data_ptr() == mine.o.data_ptr()
+        assert mlp.down_proj.weight.data_ptr() == mine.down.data_ptr()
