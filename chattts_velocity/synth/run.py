@@ -1,0 +1,199 @@
+"""synth: running a plan through one shared engine (a pool of worker threads, each line one ``Chat.infer``),
+writing each file atomically and recording it in the manifest."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
+
+from ..config import SAMPLE_RATE
+from .plan import (
+    ERRORS,
+    FORMATS,
+    MANIFEST,
+    Line,
+    LineError,
+    OnLine,
+    Plan,
+    SynthConfig,
+    SynthInterrupted,
+    SynthResult,
+    plan,
+)
+
+_DRAIN_S = 60.0
+"""After Ctrl-C, how long the lines in flight get to return their (discarded) partial audio."""
+
+
+def synth(chat, source, config: SynthConfig, on_line: OnLine | None = None) -> SynthResult:
+    """Synthesise ``source`` (a text or ``.jsonl`` file, or a list of str / dict lines) into ``config.out_dir``."""
+    return run(chat, plan(source, config), config, on_line)
+
+
+def run(chat, job: Plan, config: SynthConfig, on_line: OnLine | None = None) -> SynthResult:
+    """Synthesise ``job.todo`` with ``chat``'s engine (``chat`` may be None when there is nothing to do);
+    ``on_line(entry_or_error)`` is called after each line. Ctrl-C raises ``SynthInterrupted`` once the lines in
+    flight were stopped (their audio is discarded)."""
+    speaker = _run_speaker(chat, config, job) if job.todo else None
+    result = SynthResult([], job.skipped, [], 0.0, speaker)
+    start = time.monotonic()
+    _remove_partial(config.out_dir, {line.file for line in job.todo})
+    try:
+        with _Recorder(config, len(job.todo), result) as record:
+            for err in job.errors:
+                record(err, advance=False)
+            if job.todo:
+                _run_lines(chat, job.todo, config, speaker, record, on_line)
+    except KeyboardInterrupt:
+        raise SynthInterrupted(result) from None
+    finally:
+        result.seconds = time.monotonic() - start
+    return result
+
+
+def _run_lines(chat, lines: list[Line], config: SynthConfig, speaker: str | None, record: _Recorder,
+               on_line: OnLine | None) -> None:
+    """Every line through ``concurrency`` worker threads; each outcome is recorded as it comes. On any
+    exception here (Ctrl-C included) the lines in flight are stopped first, and those already written kept."""
+    workers = config.concurrency or 2 * chat.engine.engine.config.max_num_seqs
+    pool = ThreadPoolExecutor(min(workers, len(lines)), thread_name_prefix="synth")
+    stop = threading.Event()
+    futures = [pool.submit(_speak, chat, config, line, speaker, stop) for line in lines]
+    pending = set(futures)
+    try:
+        for fut in as_completed(futures):
+            pending.discard(fut)
+            record(fut.result())
+            if on_line is not None:
+                on_line(fut.result())
+    except BaseException:
+        stop.set()
+        _drain(chat, futures)
+        for fut in pending:
+            if fut.done() and not fut.cancelled() and isinstance(fut.result(), dict):
+                record(fut.result())  # written before the stop: kept, so it goes in the manifest
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _run_speaker(chat, config: SynthConfig, job: Plan) -> str | None:
+    """The run's speaker, checked against the model before any work."""
+    from ..text import speaker_vector
+
+    speaker = config.speaker
+    if config.random_speaker:
+        speaker = job.random_speaker or chat.sample_random_speaker()
+    if speaker is not None:
+        speaker_vector(speaker, chat.model.config.hidden_size)
+    return speaker
+
+
+def _speak(chat, config: SynthConfig, line: Line, speaker: str | None, stop: threading.Event) -> dict | LineError | None:
+    """One line, on a worker thread: its manifest entry once its file is written, a ``LineError``, or None when
+    the run was stopped."""
+    code, refine = config.line_params(line, speaker)
+    try:
+        wav = chat.infer(line.text, skip_refine_text=refine is None, params_infer_code=code,
+                         params_refine_text=refine)[0]
+        if stop.is_set():
+            return None
+        _write(os.path.join(config.out_dir, line.file), wav, config.fmt)
+    except Exception as e:  # noqa: BLE001 - whatever breaks one line is reported and the others go on
+        return LineError(line.lineno, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+    return {"line": line.lineno, "text": line.text, "file": line.file, "duration": round(wav.size / SAMPLE_RATE, 6),
+            "seed": code.manual_seed, "speaker": code.spk_emb,
+            "random_speaker": config.random_speaker and code.spk_emb == speaker and speaker is not None}
+
+
+def _write(path: str, wav, fmt: str) -> None:
+    """Write under a temporary name in the same folder, then rename: the file is whole or absent."""
+    import soundfile as sf
+
+    container, subtype = FORMATS[fmt]
+    # a fresh random name, created by soundfile (mkstemp would leave the file readable by its owner only)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.part")
+    try:
+        sf.write(tmp, wav, SAMPLE_RATE, format=container, subtype=subtype)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _remove_partial(out_dir: str, files: set[str]) -> None:
+    """Remove the temporary files of lines to redo, left by a run killed while writing them."""
+    for name in os.listdir(out_dir):
+        if name.startswith(".") and name.endswith(".part") and name[1:].rsplit(".", 2)[0] in files:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out_dir, name))
+
+
+def _drain(chat, futures: list[Future]) -> None:
+    """Cancel the lines not started and interrupt the running ones until all returned (bounded)."""
+    for fut in futures:
+        fut.cancel()
+    running = [fut for fut in futures if not fut.done()]
+    deadline = time.monotonic() + _DRAIN_S
+    while running and time.monotonic() < deadline:
+        chat.interrupt()  # again each round: a line between two passes submits its next one after the last call
+        running = list(wait(running, timeout=0.2).not_done)
+
+
+class _Recorder:
+    """The run's one writer: manifest and error appends, the progress bar and the result."""
+
+    def __init__(self, config: SynthConfig, total: int, result: SynthResult):
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self.result, self.audio = result, 0.0
+        self.manifest = _append(os.path.join(config.out_dir, MANIFEST))
+        self.errors = open(os.path.join(config.out_dir, ERRORS), "w", encoding="utf-8")  # noqa: SIM115
+        self.bar = tqdm(total=total, unit="line", desc="synth", disable=not config.show_progress, file=sys.stderr)
+        # log records (the engine's warnings) print above the bar instead of through it
+        self._logs = logging_redirect_tqdm() if config.show_progress else contextlib.nullcontext()
+
+    def __enter__(self) -> _Recorder:
+        self._logs.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._logs.__exit__(*exc)
+        self.bar.close()
+        self.manifest.close()
+        self.errors.close()
+
+    def __call__(self, outcome: dict | LineError | None, advance: bool = True) -> None:
+        if isinstance(outcome, LineError):
+            self.result.failed.append(outcome)
+            self.errors.write(json.dumps({"line": outcome.lineno, "error": outcome.reason}, ensure_ascii=False) + "\n")
+            self.errors.flush()
+            self.bar.write(f"line {outcome.lineno}: {outcome.reason}", file=sys.stderr)
+        elif outcome is not None:
+            self.result.written.append(outcome)
+            self.manifest.write(json.dumps(outcome, ensure_ascii=False) + "\n")
+            self.manifest.flush()
+            self.audio += outcome["duration"]
+            self.bar.set_postfix_str(f"{self.audio:.1f} s audio", refresh=False)
+        if outcome is not None and advance:
+            self.bar.update(1)
+
+
+def _append(path: str):
+    """Open the manifest for appending, after ending a line a crash cut short."""
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell():
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                with open(path, "a", encoding="utf-8") as g:
+                    g.write("\n")
+    return open(path, "a", encoding="utf-8")  # noqa: SIM115 - the caller closes it
