@@ -8,13 +8,10 @@ import argparse
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from . import __version__
+from .bench.cli import add_bench_parser
 from .config import SAMPLE_RATE, SAMPLES_PER_TOKEN
-
-if TYPE_CHECKING:
-    from .bench.config import BenchConfig
 
 
 def _say(args: argparse.Namespace) -> int:
@@ -269,94 +266,6 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_config(args: argparse.Namespace) -> BenchConfig:
-    from .bench.config import BenchConfig
-
-    return BenchConfig(
-        size=args.size, batches=tuple(args.batch), tokens=args.tokens, device=args.device, dtype=args.dtype,
-        json_path=args.json, plot_path=args.plot, skip_reference=args.skip_reference,
-        reference_max_batch=args.reference_max_batch, seed=args.seed, repeats=args.repeats,
-        decode_batch=args.decode_batch, max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib,
-        prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
-        show_progress=not args.no_progress,
-    )
-
-
-def _bench(args: argparse.Namespace) -> int:
-    if args.mode == "serve":
-        from .bench.serve import ServeBenchConfig
-        from .bench.serve import run_and_report as run_serve
-
-        run_serve(ServeBenchConfig(
-            url=args.url.rstrip("/"), streams=tuple(args.streams), requests_per_stream=args.requests_per_stream,
-            api_key=args.api_key, json_path=args.json if args.json != "bench.json" else "bench_serve.json",
-            plot_path=args.plot,
-        ))
-        return 0
-    if args.mode == "stream":
-        from .bench.stream import StreamBenchConfig
-        from .bench.stream import run_and_report as run_stream
-
-        run_stream(StreamBenchConfig(
-            streams=tuple(args.streams), tokens=args.tokens, size=args.size, device=args.device, dtype=args.dtype,
-            repeats=args.repeats if args.repeats > 1 else 2,
-            reference_max_streams=0 if args.skip_reference else args.reference_max_batch,
-            json_path=args.json if args.json != "bench.json" else "bench_stream.json",
-        ))
-        return 0
-    from .bench.runner import run_and_report
-
-    run_and_report(_bench_config(args))
-    return 0
-
-
-def _add_bench_parser(sub) -> None:
-    from .bench.config import DEFAULT_BATCHES, DTYPES, SIZES
-
-    b = sub.add_parser("bench", help="reference decode vs velocity engine on random weights, in one run",
-                       description="Time the reference decode loop and the velocity engine on the same "
-                                   "random weights and prompt: per-step latency, tokens/s, audio seconds per "
-                                   "second (GPT alone and with the wav decode), time to first audio and peak "
-                                   "memory.")
-    b.add_argument("mode", nargs="?", default="engine", choices=["engine", "stream", "serve"],
-                   help="engine: decode speed of both paths (default); stream: concurrent streaming calls, time "
-                        "to first audio and real-time factor, velocity vs upstream-style reference streaming; "
-                        "serve: drive a running speech server (--url) over HTTP")
-    b.add_argument("--streams", type=int, nargs="+", default=[1, 8, 64, 256],
-                   help="stream and serve modes: concurrent streams per level (default: 1 8 64 256)")
-    b.add_argument("--url", default="http://127.0.0.1:8000", help="serve mode: the server to drive")
-    b.add_argument("--api-key", default=None, help="serve mode: the server's API key")
-    b.add_argument("--requests-per-stream", type=int, default=2,
-                   help="serve mode: requests each client makes in a row (default: 2)")
-    b.add_argument("--size", default="full", choices=SIZES, help="full (real shapes) or tiny random weights")
-    b.add_argument("--batch", type=int, nargs="+", default=list(DEFAULT_BATCHES),
-                   help="batch sizes: concurrent requests submitted at once (default: 1 16 64 256)")
-    b.add_argument("--tokens", type=int, default=500, help="audio tokens generated per sequence, exactly")
-    b.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
-    b.add_argument("--dtype", default=None, choices=DTYPES,
-                   help="velocity engine dtype (default: float16 on cuda, float32 on cpu); the reference "
-                        "runs in float32 as upstream does")
-    b.add_argument("--json", default="bench.json", help="results file (default: bench.json)")
-    b.add_argument("--plot", default=None, metavar="PNG", help="also draw a chart (needs matplotlib)")
-    b.add_argument("--skip-reference", action="store_true", help="measure the velocity engine only")
-    b.add_argument("--reference-max-batch", type=int, default=None, metavar="N",
-                   help="run the reference only at batches <= N (default: every batch)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the random weights and of sampling")
-    b.add_argument("--repeats", type=int, default=1, help="timed runs per variant; figures are medians")
-    b.add_argument("--decode-batch", type=int, default=32,
-                   help="sequences per Decoder+Vocos call when decoding the wavs (default: 32)")
-    b.add_argument("--max-num-seqs", type=int, default=None,
-                   help="engine: running sequences (default: the batch)")
-    b.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="engine: KV cache size (default: what the batch needs)")
-    b.add_argument("--prefix-caching", action="store_true",
-                   help="engine: share equal prompt prefixes (off by default: every request has the same "
-                        "prompt, and the warm-up run would fill the cache for the timed one)")
-    b.add_argument("--enforce-eager", action="store_true", help="engine: no CUDA graphs")
-    b.add_argument("--no-progress", action="store_true", help="no progress bar")
-    b.set_defaults(func=_bench)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chattts-velocity", description=__doc__.replace("``", ""))
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -386,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_synth_parser(sub)
     _add_serve_parser(sub)
     _add_webui_parser(sub)
-    _add_bench_parser(sub)
+    add_bench_parser(sub)
     return p
 
 

@@ -13,7 +13,8 @@ from dataclasses import fields
 
 import pytest
 
-from chattts_velocity.cli import _bench_config, build_parser, main
+from chattts_velocity.bench.cli import bench_config
+from chattts_velocity.cli import build_parser, main
 from chattts_velocity.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
 
 TOKENS_PER_AUDIO_S = SAMPLE_RATE / SAMPLES_PER_TOKEN  # 46.875
@@ -214,8 +215,8 @@ def test_recorded_command_repeats_the_run():
             "a b.json",
         ]
     )
-    config = _bench_config(args)
-    again = _bench_config(build_parser().parse_args(shlex.split(config.command())[1:]))
+    config = bench_config(args)
+    again = bench_config(build_parser().parse_args(shlex.split(config.command())[1:]))
     assert again.command() == config.command()
     assert (again.batches, again.tokens, again.json_path, again.kv_cache_gib) == ((3, 1), 7, "a b.json", 0.5)
 
