@@ -186,8 +186,11 @@ def test_dummy_and_loaded_vocos_are_built_alike(tiny_dir):
 
 def test_the_engine_and_the_reference_model_hold_the_fused_weights_once(chat):
     """In the core's dtype and device the transformers layers' q/k/v and gate/up weights are views of the
-    engine's fused matrices (the others are the same tensors), so each weight is held once."""
-    core = chat.engine.engine.worker.core
+    engine's fused matrices (the others are the same tensors), so each weight is held once. A new engine over the
+    same model (as other tests build) takes the views over, so this one is built here."""
+    from chattts_velocity.engine import EngineConfig, LLMEngine
+
+    core = LLMEngine.from_model(chat.model, EngineConfig(num_kv_blocks=16), "cpu").worker.core
     for hf, mine in zip(chat.model.gpt.llama.layers, core.layers, strict=True):
         att, mlp = hf.self_attn, hf.mlp
         for linears, fused in (([att.q_proj, att.k_proj, att.v_proj], mine.qkv), ([mlp.gate_proj, mlp.up_proj],

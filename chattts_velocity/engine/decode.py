@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..kernels.sampling import WindowSampler
 from ..model.llama import AttentionMetadata, LlamaCore
 from .sampler import RowParams, Sampler, row_params, sample_rows
 from .sampling_params import MAX_PENALTY_WINDOW
@@ -74,6 +75,9 @@ class MultiStepDecoder:
         self._host_tables = [torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._next_host = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if device.type == "cpu":
+            with torch.no_grad():
+                self._code_table = gpt.embed.fuse_code_tables()  # [Q * V, H]
         if use_cuda_graph:
             self._capture_all()
 
@@ -121,6 +125,46 @@ class MultiStepDecoder:
         s.positions[:b] += 1
         s.step_out += 1
 
+    def _run_cpu(self, b: int, num_steps: int) -> None:
+        """``num_steps`` of ``_step``, bit for bit, as the CPU runs them: one op at a time, so every op counts.
+        What the window does not change is computed once (positions and slots on the host, the attention's
+        cache rows, the sampling constants), the penalty history slides through one buffer, and the device
+        state is brought up to date at the end."""
+        s, q, rows = self.state, self.num_vq, b * self.num_vq
+        p = s.params.rows(rows)
+        contexts = self.core.decode_window(*self._cpu_positions(b, num_steps), s.block_tables[:b], self.block_size)
+        vocab, width = self.sampler.code_head.size(0) // q, p.history.size(1)
+        sample = WindowSampler(p.temperature, p.top_p, p.top_k, p.penalty, p.window, p.min_new, p.seed, p.step,
+                               p.lane, self.eos, vocab, width, num_steps)
+        history = torch.cat([p.history, torch.empty(rows, num_steps, dtype=torch.int64)], 1)  # [R, W + K]
+        tok = s.tokens[:b]
+        for j in range(num_steps):
+            emb = self.gpt.embed.embed_codes(tok, self._code_table)  # [b, H]
+            hidden = self.core.forward(emb, contexts.context(j), self.kv_caches).float()  # [b, H]
+            flat = sample(self.sampler.code_logits(hidden), history[:, j : j + width], j)  # [b*Q]
+            history[:, width + j] = flat
+            tok = flat.view(b, q)
+            s.out_tokens[j, :b] = tok
+            s.out_hidden[j, :b] = hidden
+        s.tokens[:b] = tok
+        p.history.copy_(history[:, num_steps:])
+        p.step += num_steps
+        s.positions[:b] += num_steps
+        s.step_out.fill_(num_steps)
+
+    def _cpu_positions(self, b: int, num_steps: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Each step's rotary positions and KV slots (as ``_step`` computes them), from the device state."""
+        s, bs, last = self.state, self.block_size, self.max_model_len - 1
+        tables, limits, first = s.block_tables[:b].tolist(), s.limit[:b].tolist(), s.positions[:b].tolist()
+        width = len(tables[0])
+        positions, slots = [], []
+        for j in range(num_steps):
+            pos = [p + j for p in first]
+            positions.append([min(p, last) for p in pos])
+            slots.append([t[min(p // bs, width - 1)] * bs + p % bs if p < lim else -1
+                          for p, lim, t in zip(pos, limits, tables, strict=True)])
+        return positions, slots
+
     def _capture_all(self) -> None:
         pool = None
         for b in reversed(self.buckets):
@@ -151,8 +195,11 @@ class MultiStepDecoder:
         else:
             self._load(seqs, b)
         graph = self.graphs.get(b)
-        for _ in range(num_steps):
-            graph.replay() if graph is not None else self._step(b)
+        if self.device.type == "cpu":
+            self._run_cpu(b, num_steps)
+        else:
+            for _ in range(num_steps):
+                graph.replay() if graph is not None else self._step(b)
         hidden = self.state.out_hidden[:num_steps, :n].clone()  # the buffer is reused by the next window
         host = self._host_tokens[self._next_host]
         self._next_host ^= 1  # two host buffers: one window in flight while the previous one is read

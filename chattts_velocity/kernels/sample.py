@@ -43,14 +43,22 @@ def counter_uniform(seed: Tensor, step: Tensor, lane: Tensor, vocab: int) -> Ten
     column) per row. Computed with numpy on the host: a few dozen array ops instead of ~120 small torch ops
     (the CPU engine's sampling step was dominated by them)."""
     s, t, c = (x.detach().cpu().numpy() for x in (seed, step, lane))
-    h = _mix32((s >> 32).astype(np.uint32))  # astype keeps the low 32 bits, like the kernel's casts
-    h = _mix32(h ^ s.astype(np.uint32))
-    h = _mix32(h ^ t.astype(np.uint32))
-    h = _mix32(h ^ c.astype(np.uint32))  # [R]
-    bits = _mix32(h[:, None] ^ _column_hash(vocab)[None, :])  # [R, V]
+    return torch.from_numpy(uniform_from_hash(row_hash(s, t, c), vocab)).to(seed.device)
+
+
+def row_hash(seed: np.ndarray, step: np.ndarray, lane: np.ndarray) -> np.ndarray:
+    """The per-row half of the hash: int64 arrays (broadcast together) -> uint32."""
+    h = _mix32((seed >> 32).astype(np.uint32))  # astype keeps the low 32 bits, like the kernel's casts
+    h = _mix32(h ^ seed.astype(np.uint32))
+    h = _mix32(h ^ step.astype(np.uint32))
+    return _mix32(h ^ lane.astype(np.uint32))
+
+
+def uniform_from_hash(h: np.ndarray, vocab: int) -> np.ndarray:
+    """Row hashes [...] uint32 -> the uniforms [..., vocab] float32 of ``counter_uniform``."""
+    bits = _mix32(h[..., None] ^ _column_hash(vocab))  # [..., V]
     u = ((bits >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / (1 << 24))
-    u = np.minimum(u, np.float32(U_MAX))
-    return torch.from_numpy(u).to(seed.device)
+    return np.minimum(u, np.float32(U_MAX))
 
 
 def exponential_race_ref(probs: Tensor, seed: Tensor, step: Tensor, lane: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..sampling.processors import MIN_TOKENS_TO_KEEP
 from ._dispatch import check_contiguous, check_rows, check_same_device, check_tensor, use_triton
-from .sample import exponential_race, exponential_race_ref
+from .sample import exponential_race, exponential_race_ref, row_hash, uniform_from_hash
 
 MAX_FUSED_VOCAB = 4096
 """Widest row the fused kernel holds in registers. Wider ones (the text head: 21178 ids, padded to 32768) run
@@ -65,39 +65,89 @@ def process_rows(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tens
     """The ChatTTS chain on [R, V] float32 logits with per-row parameters (as ``sample_rows_fused``); returns
     the filtered logits [R, V], -inf where removed."""
     logits = logits / temperature
-    logits = _penalise(logits, history, window, penalty)
-    logits = _top_p_top_k(logits, top_p, top_k)
-    eos = logits[:, eos_id]
-    logits[:, eos_id] = torch.where(step < min_new, torch.full_like(eos, -float("inf")), eos)
+    logits = _penalise(logits, history, _too_old(history, window), penalty)
+    logits = _top_p_top_k(logits, *_cut_bounds(logits.size(1), top_p, top_k))
+    _ban_eos(logits, step < min_new, eos_id)
     return logits
 
 
-def _penalise(logits: Tensor, history: Tensor, window: Tensor, penalty: Tensor) -> Tensor:
-    vocab, width = logits.size(1), history.size(1)
-    cols = torch.arange(width, device=history.device)
-    outside = (history < 0) | (cols[None, :] < width - window[:, None])
-    slots = torch.where(outside, vocab, history)  # empty or too old: counted into a dropped extra column
+def _too_old(history: Tensor, window: Tensor) -> Tensor:
+    """[R, W] bool: the history entries older than each row's penalty window."""
+    width = history.size(1)
+    return torch.arange(width, device=history.device)[None, :] < width - window[:, None]
+
+
+def _penalise(logits: Tensor, history: Tensor, too_old: Tensor, penalty: Tensor) -> Tensor:
+    vocab = logits.size(1)
+    slots = torch.where(too_old | (history < 0), vocab, history)  # empty or too old: a dropped extra column
     freq = torch.zeros(logits.size(0), vocab + 1, device=logits.device, dtype=torch.float32)
     freq.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.float32))
     alpha = torch.pow(penalty, freq[:, :vocab])
     return torch.where(logits < 0, logits * alpha, logits / alpha)
 
 
-def _top_p_top_k(logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+def _cut_bounds(vocab: int, top_p: Tensor, top_k: Tensor) -> tuple[Tensor, Tensor]:
+    """The per-row constants of ``_top_p_top_k``: the probability mass top-p may drop, [R, 1], and the
+    number of smallest logits top-k drops, [R, 1] int64."""
+    k = top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=vocab)
+    return 1 - top_p, (vocab - k)[:, None]
+
+
+def _top_p_top_k(logits: Tensor, drop_mass: Tensor, top_k_drops: Tensor) -> Tensor:
     """Top-p then top-k (each keeps at least 3) as one threshold from an ascending sort of the values: top-p
-    drops the prefix whose probabilities sum to at most 1 - top_p, top-k everything below the k-th largest,
-    so a logit survives iff it is >= the larger of the two cut values (ties at a cut all survive, as in the
-    Triton kernel)."""
+    drops the prefix whose probabilities sum to at most ``drop_mass`` (1 - top_p), top-k the ``top_k_drops``
+    smallest, so a logit survives iff it is >= the larger of the two cut values (ties at a cut all survive, as
+    in the Triton kernel)."""
     vocab = logits.size(1)
     if logits.is_cuda:
         sorted_logits = torch.sort(logits).values
     else:  # numpy's sort: torch.sort took ~1 ms for 32 rows of 626 on a 2-core CPU, numpy ~0.08 ms
         sorted_logits = torch.from_numpy(np.sort(logits.numpy(), axis=1))
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    dropped = (cum <= (1 - top_p)).sum(dim=-1, keepdim=True).clamp(max=vocab - MIN_TOKENS_TO_KEEP)  # [R, 1]
-    k = top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=vocab)
-    cut = sorted_logits.gather(1, torch.maximum(dropped, (vocab - k)[:, None]))  # [R, 1]
+    dropped = (cum <= drop_mass).sum(dim=-1, keepdim=True).clamp(max=vocab - MIN_TOKENS_TO_KEEP)  # [R, 1]
+    cut = sorted_logits.gather(1, torch.maximum(dropped, top_k_drops))  # [R, 1]
     return logits.masked_fill(logits < cut, -float("inf"))
+
+
+def _ban_eos(logits: Tensor, ban: Tensor, eos_id: int) -> None:
+    """EOS to -inf in the rows ``ban`` [R] bool marks, in place."""
+    eos = logits[:, eos_id]
+    logits[:, eos_id] = torch.where(ban, torch.full_like(eos, -float("inf")), eos)
+
+
+class WindowSampler:
+    """``sample_rows_fused_ref`` over the K steps of a CPU decode window, bit for bit, with what the window does
+    not change computed once: the filters' per-row constants, each step's EOS ban, the race's row hashes.
+    Rows keep their parameters for the window (their step counters advance by one a step); each call takes
+    the step's history."""
+
+    def __init__(self, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor, window: Tensor,
+                 min_new: Tensor, seed: Tensor, step: Tensor, lane: Tensor, eos_id: int, vocab: int, width: int,
+                 num_steps: int):
+        """Arguments as ``sample_rows_fused``'s (CPU tensors; ``step`` at the window's first step); ``width``:
+        the history's."""
+        self.temperature, self.penalty, self.eos_id = temperature, penalty, eos_id
+        self.penalised = bool(penalty.ne(1).any())  # a penalty of 1 multiplies or divides by 1**n = 1 exactly
+        self.too_old = _too_old(torch.empty(0, width), window)
+        self.drop_mass, self.top_k_drops = _cut_bounds(vocab, top_p, top_k)
+        steps = step.numpy()[None, :] + np.arange(num_steps)[:, None]  # [K, R]
+        self.bans = (torch.from_numpy(steps) < min_new).tolist()  # [K][R]
+        self.hashes = row_hash(seed.numpy(), steps, lane.numpy())  # [K, R]
+        self.vocab = vocab
+
+    def __call__(self, logits: Tensor, history: Tensor, j: int) -> Tensor:
+        """Step ``j``: logits [R, V] float32, history [R, W] -> ids [R] int64."""
+        logits = logits / self.temperature
+        if self.penalised:
+            logits = _penalise(logits, history, self.too_old, self.penalty)
+        logits = _top_p_top_k(logits, self.drop_mass, self.top_k_drops)
+        ban = self.bans[j]
+        if all(ban):
+            logits[:, self.eos_id] = -float("inf")
+        elif any(ban):
+            _ban_eos(logits, torch.tensor(ban), self.eos_id)
+        race = -torch.log(torch.from_numpy(uniform_from_hash(self.hashes[j], self.vocab)))  # Exp(1) per id
+        return torch.argmax(torch.softmax(logits, dim=-1) / race, dim=-1)
 
 
 def _check(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor, history: Tensor,

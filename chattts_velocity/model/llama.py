@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import decode_cpu
 
 
 @dataclass
@@ -85,33 +86,53 @@ class LlamaCore:
         self.norm = w(llama.norm.weight)
         theta = cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta
         self.cos_sin = kernels.rotary_cos_sin_cache(self.head_dim, cfg.max_position_embeddings, theta, device)
+        self.triton = kernels.use_triton(self.norm)
+        self.eps_tensor = torch.tensor(self.eps, dtype=torch.float32)  # the CPU decode step's
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def forward(self, x: Tensor, meta: AttentionMetadata, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """x [N, H] input embeddings -> final-norm hidden states [N, H] (core dtype)."""
+    def decode_window(self, positions: list[list[int]], slots: list[list[int]], block_tables: Tensor,
+                      block_size: int) -> decode_cpu.DecodeWindow:
+        """The contexts of a CPU decode window's steps (``DecodeWindow``), to pass ``forward`` as its ``meta``."""
+        return decode_cpu.DecodeWindow(positions, slots, block_tables, self.cos_sin, block_size, self.scale)
+
+    def forward(self, x: Tensor, meta: AttentionMetadata | decode_cpu.DecodeContext,
+                kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """x [N, H] input embeddings -> final-norm hidden states [N, H] (core dtype). On CPU a decode step's
+        ``meta`` may be its precomputed ``DecodeContext`` (a CPU decode step builds one otherwise): its layers
+        run the unchecked torch references with the work they share done once."""
         x = x.to(self.dtype)
+        cpu = meta if isinstance(meta, decode_cpu.DecodeContext) else None
+        if cpu is None and meta.decode_only and not self.triton:
+            cpu = self.decode_window([meta.positions.tolist()], [meta.slot_mapping.tolist()], meta.block_tables,
+                                     kv_caches[0][0].size(1)).context(0)
+        linear, norm, eps = kernels.fused_linear, kernels.rms_norm, self.eps
+        if cpu is not None:
+            linear, norm, eps = decode_cpu.linear_cpu, decode_cpu.rms_norm_cpu, self.eps_tensor
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             # each fused_linear is one Triton launch for a small decode batch (norm and gate included)
             if residual is None:
-                qkv, residual = kernels.fused_linear(x, layer.qkv, norm_weight=layer.input_norm, eps=self.eps), x
+                qkv, residual = linear(x, layer.qkv, norm_weight=layer.input_norm, eps=eps), x
             else:
-                qkv, residual = kernels.fused_linear(x, layer.qkv, norm_weight=layer.input_norm, eps=self.eps,
-                                                     residual=residual)
-            x = kernels.fused_linear(self._attention(qkv, meta, k_cache, v_cache), layer.o)
-            h, residual = kernels.fused_linear(x, layer.gate_up, norm_weight=layer.post_norm, eps=self.eps,
-                                               residual=residual, gated=True)
-            x = kernels.fused_linear(h, layer.down)
-        h, _ = kernels.rms_norm(x, self.norm, self.eps, residual)
+                qkv, residual = linear(x, layer.qkv, norm_weight=layer.input_norm, eps=eps, residual=residual)
+            x = linear(self._attention(qkv, meta, k_cache, v_cache, cpu), layer.o)
+            h, residual = linear(x, layer.gate_up, norm_weight=layer.post_norm, eps=eps, residual=residual,
+                                 gated=True)
+            x = linear(h, layer.down)
+        h, _ = norm(x, self.norm, eps, residual)
         return h
 
-    def _attention(self, qkv: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    def _attention(self, qkv: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor,
+                   cpu: decode_cpu.DecodeContext | None) -> Tensor:
         """qkv [N, q + 2 kv] projections -> attention output [N, q] (before the o projection)."""
         n = qkv.size(0)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if cpu is not None:
+            q = decode_cpu.rotary_store_kv_cpu(qkv, self.num_heads, self.num_kv_heads, cpu, k_cache, v_cache)
+            return decode_cpu.decode_attention_cpu(q, k_cache, v_cache, cpu).reshape(n, q_size)
         q = qkv[:, :q_size].reshape(n, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(n, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(n, self.num_kv_heads, self.head_dim)
