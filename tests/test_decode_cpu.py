@@ -97,6 +97,6 @@ def test_embed_codes_equals_embed_step_bit_for_bit():
     ids = torch.randint(0, 20, (5, 4))
     expected = embed.embed_step(ids[:, None], text_mode=False)[:, 0]
     with torch.no_grad():
-        table = embed.fuse_code_tables()
-    assert torch.equal(embed.embed_codes(ids, table), expected)
+        table, offsets = embed.fuse_code_tables()
+    assert torch.equal(embed.embed_codes(ids, table, offsets), expected)
     assert torch.equal(embed.embed_step(ids[:, None], text_mode=False)[:, 0], expected)  # views: same weights

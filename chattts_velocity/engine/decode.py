@@ -77,7 +77,7 @@ class MultiStepDecoder:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cpu":
             with torch.no_grad():
-                self._code_table = gpt.embed.fuse_code_tables()  # [Q * V, H]
+                self._code_table, self._code_offsets = gpt.embed.fuse_code_tables()  # [Q * V, H], [Q]
         if use_cuda_graph:
             self._capture_all()
 
@@ -139,7 +139,7 @@ class MultiStepDecoder:
         history = torch.cat([p.history, torch.empty(rows, num_steps, dtype=torch.int64)], 1)  # [R, W + K]
         tok = s.tokens[:b]
         for j in range(num_steps):
-            emb = self.gpt.embed.embed_codes(tok, self._code_table)  # [b, H]
+            emb = self.gpt.embed.embed_codes(tok, self._code_table, self._code_offsets)  # [b, H]
             hidden = self.core.forward(emb, contexts.context(j), self.kv_caches).float()  # [b, H]
             flat = sample(self.sampler.code_logits(hidden), history[:, j : j + width], j)  # [b*Q]
             history[:, width + j] = flat

@@ -12,6 +12,8 @@ from torch.nn import functional as F
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from .stacked import stacked_weights
+
 
 class Embed(nn.Module):
     def __init__(self, hidden_size: int, num_audio_tokens: int, num_text_tokens: int, num_vq: int = 4):
@@ -44,20 +46,17 @@ class Embed(nn.Module):
             return self.emb_text(ids[:, :, 0])
         return torch.stack([self.emb_code[q](ids[:, :, q]) for q in range(self.num_vq)], 3).sum(3)
 
-    def fuse_code_tables(self) -> torch.Tensor:
+    def fuse_code_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The code embeddings as one [num_vq * V, H] table, which the per-codebook weights become views of (so
-        they are held once), for ``embed_codes``."""
-        table = torch.cat([e.weight.detach() for e in self.emb_code])
-        rows = self.emb_code[0].num_embeddings
-        for q, e in enumerate(self.emb_code):
-            e.weight = nn.Parameter(table[q * rows : (q + 1) * rows], requires_grad=e.weight.requires_grad)
-        return table
+        they are held once), and each codebook's row offset in it [num_vq], for ``embed_codes``."""
+        table = stacked_weights(list(self.emb_code))
+        offsets = torch.arange(self.num_vq, device=table.device) * self.emb_code[0].num_embeddings
+        return table, offsets
 
     @staticmethod
-    def embed_codes(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def embed_codes(ids: torch.Tensor, table: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """ids [B, num_vq] audio codes -> [B, H]: ``embed_step``'s sums (the same bits: both add the codebooks in
         order) in one lookup of ``fuse_code_tables``'s table (the CPU decode step's)."""
-        offsets = torch.arange(ids.size(1), device=ids.device) * (table.size(0) // ids.size(1))  # [num_vq]
         return F.embedding(ids + offsets, table).sum(1)
 
     def code_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels import decode_cpu
+from .stacked import stacked_weights
 
 
 @dataclass
@@ -45,20 +46,6 @@ class _Layer:
     down: Tensor  # [H, I]
 
 
-def _fused(linears: list[torch.nn.Linear], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The linears' weights stacked into one [sum N_i, K] matrix. Where the model holds them in the core's dtype
-    on its device, the linears' weights become views of that matrix, so they are held once (the other weights,
-    taken as they are, are shared already): 495 MiB less for the full-size model in float32."""
-    fused = torch.cat([m.weight.detach() for m in linears]).to(device=device, dtype=dtype).contiguous()
-    if all(m.weight.dtype == fused.dtype and m.weight.device == fused.device for m in linears):
-        row = 0
-        for m in linears:
-            n = m.weight.shape[0]
-            m.weight = torch.nn.Parameter(fused[row : row + n], requires_grad=m.weight.requires_grad)
-            row += n
-    return fused
-
-
 class LlamaCore:
     def __init__(self, llama, dtype: torch.dtype, device: torch.device):
         cfg = llama.config
@@ -77,10 +64,10 @@ class LlamaCore:
             att, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
                 input_norm=w(layer.input_layernorm.weight),
-                qkv=_fused([att.q_proj, att.k_proj, att.v_proj], dtype, device),
+                qkv=stacked_weights([att.q_proj, att.k_proj, att.v_proj], dtype, device),
                 o=w(att.o_proj.weight),
                 post_norm=w(layer.post_attention_layernorm.weight),
-                gate_up=_fused([mlp.gate_proj, mlp.up_proj], dtype, device),
+                gate_up=stacked_weights([mlp.gate_proj, mlp.up_proj], dtype, device),
                 down=w(mlp.down_proj.weight),
             ))
         self.norm = w(llama.norm.weight)
