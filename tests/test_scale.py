@@ -38,6 +38,9 @@ from chattts_velocity.server.scale import (  # noqa: E402
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TEXT = "Hello there. This is a test of the speech server."
 LONG = " ".join(f"Sentence number {i} keeps this request generating for a while." for i in range(30))
+LONGER = " ".join(f"Sentence number {i} keeps this request generating for a while." for i in range(100))
+"""Still generating seconds after its first audio, so that a per-replica snapshot (sent every second) sees its
+blocks in use: the tiny CPU engine got through ``LONG`` before a snapshot once its decode got faster."""
 SPEECH = "/v1/audio/speech"
 
 
@@ -100,7 +103,7 @@ def server(ray_address, upstream_ckpt, tmp_path_factory):
     log = tmp_path_factory.mktemp("scale") / "server.log"
     srv = ServerProcess(upstream_ckpt, "--replicas", "2", "--ray-address", ray_address, "--gpus-per-replica", "1",
                         "--max-new-token", "48", "--max-concurrent", "2", "--max-queue", "8",
-                        "--max-input-chars", "3000", log_path=str(log))
+                        "--max-input-chars", "8000", log_path=str(log))
     try:
         wait_for(lambda: len(per_replica(srv.url)) == 2, 150, "both replicas reporting metrics", period=1)
     except BaseException:
@@ -236,7 +239,7 @@ def test_a_voice_registered_through_one_replica_is_usable_through_all(server, cl
 
 def test_a_disconnect_frees_the_blocks_on_the_replica_that_served_it(server):
     before = settled(server.url)
-    with httpx.stream("POST", server.url + SPEECH, headers=AUTH, json=body(LONG), timeout=60) as r:
+    with httpx.stream("POST", server.url + SPEECH, headers=AUTH, json=body(LONGER), timeout=60) as r:
         assert r.status_code == 200
         replica = r.headers[REPLICA_HEADER]
         chunks = r.iter_raw()
