@@ -21,9 +21,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     args = ap.parse_args()
     chat = load_chat(StreamBenchConfig(), 8)
-    batcher = chat._velocity.batcher
+    pump = chat._velocity.pump
     decodes: list[tuple[float, float, int]] = []
-    original = batcher.decode
+    original = pump.decode
 
     def timed(windows, use_decoder):
         start = time.perf_counter()
@@ -31,7 +31,7 @@ def main() -> None:
         decodes.append((start, time.perf_counter(), len(windows)))
         return out
 
-    batcher.decode = timed
+    pump.decode = timed
     reports: list[tuple[float, int]] = []  # engine outputs: (time, tokens generated so far)
     dispatch = chat.engine._dispatch
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .audio import AudioStream, StreamConfig, WindowBatcher
+from .audio import AudioPump, StreamConfig
 from .engine import AsyncLLMEngine, FinishReason, Mode, Prompt, RequestOutput, RequestStream, SamplingParams
 from .engine.sequence import Sequence
 from .params import InferCodeParams, RefineTextParams
@@ -62,8 +62,8 @@ class VelocityPath:
         self.model = model
         self.audio = audio
         self.stream_config = stream_config
-        self.batcher = WindowBatcher(audio)
-        """Decodes the stream windows of all concurrent calls together."""
+        self.pump = AudioPump(audio)
+        """Decodes the stream windows of all concurrent calls together, once per engine step."""
         self._live: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self._lock = threading.Lock()
         self.interrupts = 0
@@ -100,18 +100,19 @@ class VelocityPath:
         """[B, n] chunks of the texts' audio as it is generated, silence columns dropped as upstream does with
         its last chunk. Rows stay aligned: a chunk ends where the slowest unfinished row's audio ends."""
         stream = self._submit(self._code_prompts(texts, p), self._code_params(p))
-        call = _CallAudio(stream, self.stream_config, self.batcher, use_decoder)
         rows: dict[str, list[np.ndarray]] = {rid: [] for rid in stream.request_ids}  # decoded, not yet yielded
         bar = _bar(p, "code")
         try:
-            for outputs in _batches(stream):
-                for out in outputs:
-                    _progress(bar, out)
-                for rid, samples in call.advance(outputs).items():
-                    rows[rid] += samples
-                chunk = _aligned(rows, call.audio, stream.request_ids)
-                if chunk is not None:
-                    yield chunk
+            with self.pump.open(stream, self.stream_config, use_decoder) as feed:
+                for delivery in feed:
+                    for out in delivery.outputs:
+                        _progress(bar, out)
+                        _warn_if_cut(out)
+                    for rid, samples in delivery.samples.items():
+                        rows[rid] += samples
+                    chunk = _aligned(rows, delivery.done, stream.request_ids)
+                    if chunk is not None:
+                        yield chunk
         finally:
             bar.close()
             stream.close()
@@ -128,11 +129,12 @@ class VelocityPath:
     def _samples(self, stream: RequestStream, use_decoder: bool) -> Iterator[np.ndarray]:
         """One request's audio as it is generated (each chunk decoded once, batched with other calls')."""
         (rid,) = stream.request_ids
-        call = _CallAudio(stream, self.stream_config, self.batcher, use_decoder)
-        for outputs in _batches(stream):
-            samples = call.advance(outputs).get(rid)
-            if samples:
-                yield np.concatenate(samples)
+        with self.pump.open(stream, self.stream_config, use_decoder) as feed:
+            for delivery in feed:
+                for out in delivery.outputs:
+                    _warn_if_cut(out)
+                if samples := delivery.samples.get(rid):
+                    yield np.concatenate(samples)
 
     # ---------------------------------------------------------------- requests
     def _code_params(self, p: InferCodeParams) -> SamplingParams:
@@ -236,31 +238,6 @@ class JoinedAudio:
             self.cancel()
 
 
-class _CallAudio:
-    """The audio side of one call: an incremental decoder per request."""
-
-    def __init__(self, stream: RequestStream, config: StreamConfig, batcher: WindowBatcher, use_decoder: bool):
-        self.stream, self.batcher, self.use_decoder = stream, batcher, use_decoder
-        self.audio = {rid: AudioStream(config) for rid in stream.request_ids}
-        self._owner = {id(a): rid for rid, a in self.audio.items()}
-
-    def advance(self, outputs: list[RequestOutput]) -> dict[str, list[np.ndarray]]:
-        """Take new tokens and decode every window they complete (batched with other calls'): each request's
-        new samples, in order."""
-        new: dict[str, list[np.ndarray]] = {}
-        with self.batcher.audio.stream():  # the pushes concatenate device tensors
-            for out in outputs:
-                _warn_if_cut(out)
-                self.audio[out.request_id].push(out.new_hidden_states if self.use_decoder else out.new_token_ids,
-                                                finished=out.finished)
-            windows = [w for a in self.audio.values() for w in a.ready()]
-            for window, wav in zip(windows, self.batcher.decode(windows, self.use_decoder), strict=True):
-                rid = self._owner[id(window.stream)]
-                new.setdefault(rid, []).append(window.stream.accept(window, wav))
-                self.stream.mark_first_audio(rid)
-        return new
-
-
 FADE = 120
 """Samples (5 ms at 24 kHz) faded out at the end and in at the start of a joined text."""
 
@@ -290,23 +267,14 @@ def _faded(chunks: Iterator[np.ndarray], first: bool, last: bool) -> Iterator[np
         yield pending
 
 
-def _batches(stream: RequestStream) -> Iterator[list[RequestOutput]]:
-    """The stream's outputs, grouped as they arrived (one engine step's outputs usually come together)."""
-    while True:
-        batch = stream.next_batch()
-        if not batch:
-            return
-        yield batch
-
-
-def _aligned(rows: dict[str, list[np.ndarray]], audio: dict[str, AudioStream], order) -> np.ndarray | None:
-    """Take the samples every unfinished row has ([B, n]; finished rows padded with zeros), minus the columns
-    that are silent in every row; None if there is nothing to yield yet."""
+def _aligned(rows: dict[str, list[np.ndarray]], done: frozenset[str], order) -> np.ndarray | None:
+    """Take the samples every unfinished row has ([B, n]; finished rows, those in ``done``, padded with zeros),
+    minus the columns that are silent in every row; None if there is nothing to yield yet."""
     for rid in order:
         if len(rows[rid]) > 1:
             rows[rid] = [np.concatenate(rows[rid])]
     have = {rid: rows[rid][0].size if rows[rid] else 0 for rid in order}
-    live = [have[rid] for rid in order if not audio[rid].done]
+    live = [have[rid] for rid in order if rid not in done]
     n = min(live) if live else max(have.values())
     if n == 0:
         return None

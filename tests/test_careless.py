@@ -222,14 +222,14 @@ def test_a_failed_reload_leaves_the_previous_model_loaded_and_usable(own_chat, c
 
 # ---------------------------------------------------------------- 8. streams and interrupts
 def test_stream_with_more_texts_than_sequences_interrupted_frees_everything(small_chat, monkeypatch):
-    batcher = small_chat._velocity.batcher
-    decode = batcher.decode
+    pump = small_chat._velocity.pump
+    decode = pump.decode
 
     def interrupt_at_first_audio(windows, use_decoder):
         small_chat.interrupt()  # the first text has audio; the others wait (one sequence at a time), no tokens
         return decode(windows, use_decoder)
 
-    monkeypatch.setattr(batcher, "decode", interrupt_at_first_audio)
+    monkeypatch.setattr(pump, "decode", interrupt_at_first_audio)
     chunks = list(small_chat.infer(["one text", "two text", "three"], stream=True, skip_refine_text=True,
                                    split_text=False, params_infer_code=quick(max_new_token=60, min_new_token=60)))
     assert chunks and all(chunk.shape[0] == 3 for chunk in chunks)
@@ -241,7 +241,7 @@ def test_a_stream_that_fails_frees_its_requests(small_chat, monkeypatch):
     def broken(windows, use_decoder):
         raise RuntimeError("decoder failed")
 
-    monkeypatch.setattr(small_chat._velocity.batcher, "decode", broken)
+    monkeypatch.setattr(small_chat._velocity.pump, "decode", broken)
     gen = small_chat.infer(["one text", "two"], stream=True, skip_refine_text=True, split_text=False,
                            params_infer_code=quick(max_new_token=200, min_new_token=200))
     with pytest.raises(RuntimeError, match="decoder failed") as kept:  # the exception (and its frames) live on

@@ -235,50 +235,77 @@ def test_chunks_grow_so_playback_never_waits_at_real_time():
     assert all(size <= out for size, out in zip(sizes[1:], emitted[:-1], strict=True))
 
 
-def test_window_batcher_decodes_concurrent_callers_together(chat):
-    """While one caller decodes, the others' windows queue up and the next leader decodes them all in one
-    round; every caller gets exactly its own samples."""
-    import threading
+class _Engine:
+    """Enough of an AsyncLLMEngine for hand-fed RequestStreams."""
 
-    from chattts_velocity.audio import WindowBatcher
+    def __init__(self):
+        self.aborted = []
 
-    batcher = WindowBatcher(chat.audio)
-    streams = []
-    for i in range(6):
-        s = AudioStream(StreamConfig(first_chunk=8, lookahead=8))
-        s.push(_tokens(chat, 40, True, seed=i), finished=True)
-        streams.append(s)
-    jobs = [s.ready() for s in streams]
-    want = [decode_windows(chat.audio, windows, True) for windows in jobs]
-    gate, entered = threading.Event(), threading.Event()
-    original = chat.audio.to_wavs
+    def abort(self, rid):
+        self.aborted.append(rid)
 
-    def slow_first(*args, **kw):
-        if not entered.is_set():
-            entered.set()
-            gate.wait(10)
-        return original(*args, **kw)
 
-    chat.audio.to_wavs = slow_first
-    try:
-        got = [None] * len(jobs)
+def _out(rid: str, hidden: torch.Tensor, finished: bool, n: int, error: Exception | None = None):
+    from chattts_velocity.engine import FinishReason, RequestOutput
 
-        def run(i):
-            got[i] = batcher.decode(jobs[i], use_decoder=True)
+    return RequestOutput(rid, new_token_ids=torch.zeros(hidden.shape[0], 4, dtype=torch.int64),
+                         new_hidden_states=hidden, num_generated=n, finished=finished,
+                         finish_reason=FinishReason.ERROR if error else None, error=error)
 
-        first = threading.Thread(target=run, args=(0,))
-        first.start()
-        entered.wait(10)
-        others = [threading.Thread(target=run, args=(i,)) for i in range(1, len(jobs))]
-        for t in others:
-            t.start()
-        while sum(len(j.windows) for j in batcher._queue) < sum(len(w) for w in jobs[1:]):
-            threading.Event().wait(0.005)
-        gate.set()
-        for t in [first, *others]:
-            t.join(30)
-    finally:
-        del chat.audio.to_wavs
-    assert batcher.num_calls == 2, "the queued callers' windows should share one round"
+
+def test_audio_pump_decodes_every_stream_of_an_engine_step_in_one_round(chat):
+    """Outputs handed to six streams in one engine step (one ``wake``) are decoded in one round, whatever
+    order the streams were fed in; each feed gets exactly its own samples, then its end."""
+    from chattts_velocity.audio import AudioPump
+    from chattts_velocity.engine import RequestStream
+
+    pump, engine, config = AudioPump(chat.audio), _Engine(), StreamConfig(first_chunk=8, lookahead=8)
+    tokens = [_tokens(chat, 40, True, seed=i) for i in range(6)]
+    want = []
+    for t in tokens:
+        ref = AudioStream(config)
+        ref.push(t, finished=True)
+        windows = ref.ready()
+        wavs = decode_windows(chat.audio, windows, True)
+        want.append(np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, wavs, strict=True)]))
+    streams = [RequestStream(engine, [f"r{i}"]) for i in range(6)]
+    with pump._cond:  # the engine thread's step, as the pump sees it: it wakes to all six streams' news at once
+        feeds = [pump.open(s, config, use_decoder=True) for s in streams]
+        for i in (3, 0, 5, 1, 4, 2):
+            streams[i]._put(_out(f"r{i}", tokens[i], True, 40), 0.0)
+        pump.wake()
+    got = []
+    for feed in feeds:
+        (rid,) = feed.stream.request_ids
+        deliveries = list(feed)  # ends once the request's audio is out
+        assert deliveries[-1].done == frozenset({rid})
+        got.append(np.concatenate([x for d in deliveries for x in d.samples.get(rid, [])]))
+    assert pump.num_calls == 1, "the six streams of one engine step should share one decode round"
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert len(g) == len(w) and all(np.allclose(a, b, atol=1e-5) for a, b in zip(g, w, strict=True)), i
+        assert g.shape == w.shape and np.allclose(g, w, atol=1e-5), i
+    assert not pump._feeds, "finished feeds should be forgotten"
+
+
+def test_audio_pump_ends_a_closed_stream_and_reports_a_failed_request(chat):
+    from chattts_velocity.audio import AudioPump
+    from chattts_velocity.engine import RequestError, RequestStream
+
+    pump, engine = AudioPump(chat.audio), _Engine()
+    closed = RequestStream(engine, ["a"])
+    feed = pump.open(closed, DEFAULT, use_decoder=True)
+    closed._put(_out("a", _tokens(chat, 4, True), False, 4), 0.0)
+    closed.close()  # from another thread, say: the reader's feed ends instead of waiting forever
+    assert sum(x.size for d in feed for x in d.samples.get("a", [])) == 0  # 4 tokens: not a window yet
+    assert engine.aborted == ["a"]
+
+    failing = RequestStream(engine, ["b"])
+    feed = pump.open(failing, DEFAULT, use_decoder=True)
+    failing._put(_out("b", _tokens(chat, 30, True), False, 30), 0.0)
+    failing._put(_out("b", _tokens(chat, 0, True), True, 30, error=RuntimeError("device lost")), 0.0)
+    pump.wake()
+    seen = []
+    with pytest.raises(RequestError, match="device lost"):
+        for delivery in feed:
+            seen += delivery.samples.get("b", [])
+    assert seen, "the audio before the failure is delivered first"
+    assert not pump._feeds

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from .batcher import WindowBatcher
 from .decode import AudioDecoder
 from .dvae import DVAE, ConvStackConfig, DVAEConfig
+from .pump import AudioPump, Delivery, Feed
 from .stream import AudioStream, StreamConfig, Window, decode_windows
 from .vocoder import load_vocos, vocos_state_dict_config
 
 __all__ = [
     "DVAE",
     "AudioDecoder",
+    "AudioPump",
     "AudioStream",
     "ConvStackConfig",
     "DVAEConfig",
+    "Delivery",
+    "Feed",
     "StreamConfig",
     "Window",
-    "WindowBatcher",
     "decode_windows",
     "load_vocos",
     "vocos_state_dict_config",

@@ -76,6 +76,8 @@ class RequestStream:
         self._cond = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
+        self._listener = None
+        """Told of every output and of ``close`` (``listen``): an ``AudioPump``."""
 
     def mark_first_audio(self, request_id: str) -> None:
         times = self.times[request_id]
@@ -96,8 +98,18 @@ class RequestStream:
             pending, self._pending = list(self._pending), set()
             self._items.clear()
             self._cond.notify_all()  # a reader blocked in another thread sees the stream end
+            listener = self._listener
+        if listener is not None:  # so does a reader of its audio
+            listener.mark(self)
+            listener.wake()
         for rid in pending:
             self._engine.abort(rid)
+
+    def listen(self, listener) -> None:
+        """Have ``listener.mark(stream)`` called after each output and at ``close``; the engine calls
+        ``listener.wake()`` once after handing out a step's outputs. None stops it."""
+        with self._cond:
+            self._listener = listener
 
     def __enter__(self) -> RequestStream:
         return self
@@ -128,12 +140,29 @@ class RequestStream:
         with self._cond:
             while not self._items and self._pending:
                 self._cond.wait()
-            batch = []
-            while self._items:
-                if self._items[0].error is not None and batch:
-                    break
-                batch.append(self._check(self._items.popleft()))
-            return batch
+            return self._take_locked()
+
+    def take(self) -> list[RequestOutput]:
+        """``next_batch`` without waiting: the outputs there now (maybe none)."""
+        with self._cond:
+            return self._take_locked()
+
+    def _take_locked(self) -> list[RequestOutput]:
+        batch = []
+        while self._items:
+            if self._items[0].error is not None and batch:
+                break
+            batch.append(self._check(self._items.popleft()))
+        return batch
+
+    def has_outputs(self) -> bool:
+        with self._cond:
+            return bool(self._items)
+
+    def exhausted(self) -> bool:
+        """Every request finished (or the stream was closed) and every output was read."""
+        with self._cond:
+            return not self._items and not self._pending
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
@@ -170,7 +199,9 @@ class RequestStream:
                 self._pending.discard(out.request_id)
             self._items.append(out)
             self._cond.notify_all()
-            loop, event = self._loop, self._event
+            loop, event, listener = self._loop, self._event, self._listener
+        if listener is not None:
+            listener.mark(self)
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(event.set)
 
@@ -360,6 +391,8 @@ class AsyncLLMEngine:
         for out, stream in zip(outputs, streams, strict=True):
             if stream is not None:
                 stream._put(out, now)
+        for listener in {id(s._listener): s._listener for s in streams if s is not None and s._listener}.values():
+            listener.wake()  # once per step: the audio of every stream of this step is decoded in one round
 
     def _fail_all(self, err: Exception) -> list[RequestOutput]:
         outputs = []
