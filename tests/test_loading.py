@@ -190,7 +190,8 @@ def test_the_engine_and_the_reference_model_hold_the_fused_weights_once(chat):
     same model (as other tests build) takes the views over, so this one is built here."""
     from chattts_velocity.engine import EngineConfig, LLMEngine
 
-    core = LLMEngine.from_model(chat.model, EngineConfig(num_kv_blocks=16), "cpu").worker.core
+    with torch.inference_mode():  # as a caller may well build it
+        core = LLMEngine.from_model(chat.model, EngineConfig(num_kv_blocks=16), "cpu").worker.core
     for hf, mine in zip(chat.model.gpt.llama.layers, core.layers, strict=True):
         att, mlp = hf.self_attn, hf.mlp
         for linears, fused in (([att.q_proj, att.k_proj, att.v_proj], mine.qkv), ([mlp.gate_proj, mlp.up_proj],
@@ -200,3 +201,10 @@ def test_the_engine_and_the_reference_model_hold_the_fused_weights_once(chat):
             assert all(m.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() for m in linears)
         assert att.o_proj.weight.data_ptr() == mine.o.data_ptr()
         assert mlp.down_proj.weight.data_ptr() == mine.down.data_ptr()
+    # the views are ordinary tensors: the transformers model still runs outside inference mode once cast or moved
+    mlp = chat.model.gpt.llama.layers[0].mlp.to(torch.float64)
+    try:
+        x = torch.randn(2, mlp.gate_proj.in_features, dtype=torch.float64)
+        assert mlp(x).shape == x.shape
+    finally:
+        mlp.to(torch.float32)

@@ -269,11 +269,10 @@ def test_audio_pump_decodes_every_stream_of_an_engine_step_in_one_round(chat):
         wavs = decode_windows(chat.audio, windows, True)
         want.append(np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, wavs, strict=True)]))
     streams = [RequestStream(engine, [f"r{i}"]) for i in range(6)]
-    with pump._cond:  # the engine thread's step, as the pump sees it: it wakes to all six streams' news at once
-        feeds = [pump.open(s, config, use_decoder=True) for s in streams]
-        for i in (3, 0, 5, 1, 4, 2):
-            streams[i]._put(_out(f"r{i}", tokens[i], True, 40), 0.0)
-        pump.wake()
+    feeds = [pump.open(s, config, use_decoder=True) for s in streams]  # nothing to decode yet
+    for i in (3, 0, 5, 1, 4, 2):  # one engine step, as the pump sees it: outputs, then one wake
+        streams[i]._put(_out(f"r{i}", tokens[i], True, 40), 0.0)
+    pump.wake()
     got = []
     for feed in feeds:
         (rid,) = feed.stream.request_ids

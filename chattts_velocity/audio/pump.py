@@ -1,16 +1,17 @@
-"""``AudioPump``: the audio of every streaming request, decoded on one thread.
+"""``AudioPump``: the audio of every streaming request, decoded in batched rounds between the engine's steps.
 
 A consumer (a thread streaming one ``infer`` call, a server request) opens a ``Feed`` on its ``RequestStream``
-and reads ``Delivery`` objects from it. The engine thread marks a stream when it hands it outputs and wakes the
-pump once per engine step; the pump then takes the new tokens of every marked stream, plans their windows, runs
-all of them as one batched Decoder + Vocos call per window length, and hands each feed its samples. Under load
-the windows of hundreds of streams share one call (on a GPU a batch of 32 windows costs about what one does).
+and reads ``Delivery`` objects from it. The engine thread marks a stream when it hands it outputs, and after
+each step it runs one round (``wake``): the new tokens of every marked stream are pushed into their decoders,
+every window they complete is decoded in one batched Decoder + Vocos call per window length, and each feed gets
+its samples. Under load the windows of hundreds of streams share one call (on a GPU a batch of 32 windows costs
+about what one does); the consumers only wait on their own queue.
 
-Why one thread: with a decoder thread fed by the consumers themselves (one thread per stream, each pushing its
-tokens and waiting on a shared condition), an H100 server at 64 and at 256 streams topped out at 169x real time
-while the engine alone ran past 1,200x: every decode round woke every waiting thread through one lock (a lock
-convoy through the GIL), and the rounds stayed small because the consumers arrived one by one. Here the
-consumers only wait on their own queue, and per-thread state (CUDA stream, oneDNN scratch memory) exists once."""
+Why on the engine's thread: on an H100 a window decode launches a few hundred kernels from Python (7 ms alone).
+Run beside the engine, on a decoder thread fed by the consumers, the two threads traded the GIL: the decode took
+25 ms instead of 7, the engine's steps 1.5 ms instead of 0.75 (``benchmarks/stream_latency.py``), and the server
+topped out at about 170x real time at 64 and at 256 streams while the engine alone ran past 1,200x. Between the
+steps, each round costs its own time and nothing else."""
 
 from __future__ import annotations
 
@@ -89,20 +90,17 @@ class AudioPump:
 
     def __init__(self, audio: AudioDecoder):
         self.audio = audio
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # guards the two dicts below
+        self._rounds = threading.Lock()  # one round at a time, on whichever thread runs it
         self._feeds: dict[int, Feed] = {}  # id(stream) -> its feed
         self._marked: dict[int, None] = {}  # ids of streams with news, in order
-        self._thread: threading.Thread | None = None
         self.num_calls = 0
         """Decode rounds run so far (a round is one ``decode`` call per decoder kind)."""
 
     def open(self, stream, config: StreamConfig, use_decoder: bool) -> Feed:
-        """Start turning ``stream``'s outputs into audio (outputs that arrived before are taken too)."""
+        """Start turning ``stream``'s outputs into audio (outputs that arrived before are taken at once)."""
         feed = Feed(self, stream, config, use_decoder)
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="chattts-velocity-audio", daemon=True)
-                self._thread.start()
+        with self._lock:
             self._feeds[id(stream)] = feed
         stream.listen(self)
         self.mark(stream)
@@ -116,36 +114,34 @@ class AudioPump:
 
     # ---------------------------------------------------------------- RequestStream's listener protocol
     def mark(self, stream) -> None:
-        """``stream`` has news (outputs, or it was closed); the next ``wake`` runs a round for it."""
-        with self._cond:
+        """``stream`` has news (outputs, or it was closed); the next ``wake`` takes it."""
+        with self._lock:
             self._marked[id(stream)] = None
 
     def wake(self) -> None:
-        with self._cond:
-            if self._marked:
-                self._cond.notify()
-
-    # ---------------------------------------------------------------- the pump thread
-    def _forget(self, feed: Feed) -> None:
-        feed.stream.listen(None)
-        with self._cond:
-            if self._feeds.get(id(feed.stream)) is feed:
-                del self._feeds[id(feed.stream)]
-
-    def _loop(self) -> None:
-        with self.audio.stream():
+        """Run rounds on this thread until no marked stream is left (the engine calls it after each step; a
+        ``close`` from another thread calls it too, so that stream's reader sees its end)."""
+        with self._rounds:
             while True:
-                with self._cond:
-                    while not self._marked:
-                        self._cond.wait()
+                with self._lock:
                     feeds = [self._feeds[key] for key in self._marked if key in self._feeds]
                     self._marked = {}
+                if not feeds:
+                    return
                 try:
-                    self._round(feeds)
-                except BaseException as err:  # noqa: BLE001 - a bug here must reach the callers, not end the pump
-                    logger.exception("audio pump round failed")
+                    with self.audio.stream():
+                        self._round(feeds)
+                except Exception as err:  # noqa: BLE001 - a bug here must reach the callers, not the engine
+                    logger.exception("audio round failed")
                     for feed in feeds:
                         self._fail(feed, err)
+
+    # ---------------------------------------------------------------- rounds
+    def _forget(self, feed: Feed) -> None:
+        feed.stream.listen(None)
+        with self._lock:
+            if self._feeds.get(id(feed.stream)) is feed:
+                del self._feeds[id(feed.stream)]
 
     def _round(self, feeds: list[Feed]) -> None:
         taken: list[tuple[Feed, list, list[Window]]] = []
@@ -189,7 +185,6 @@ class AudioPump:
                 self._forget(feed)
             elif feed.stream.has_outputs():  # it stopped before a failed request's output: take that next
                 self.mark(feed.stream)
-                self.wake()
 
     def _fail(self, feed: Feed, err: BaseException) -> None:
         feed._send(err)

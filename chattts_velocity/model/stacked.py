@@ -13,8 +13,11 @@ def stacked_weights(modules: list[nn.Module], dtype: torch.dtype | None = None,
     the weights' own). Where that is the weights' own dtype and device, each module's weight becomes a view of
     its rows (the old tensor is dropped): 495 MiB less for the full-size Llama core in float32."""
     first = modules[0].weight
-    stacked = torch.cat([m.weight.detach() for m in modules]).to(device=device or first.device,
-                                                                 dtype=dtype or first.dtype).contiguous()
+    # ordinary tensors even when called under inference mode: the modules' weights become views of this one,
+    # and an inference tensor there breaks the model once it is moved or cast (then used outside that mode)
+    with torch.inference_mode(False), torch.no_grad():
+        stacked = torch.cat([m.weight.detach() for m in modules]).to(device=device or first.device,
+                                                                     dtype=dtype or first.dtype).contiguous()
     if all(m.weight.dtype == stacked.dtype and m.weight.device == stacked.device for m in modules):
         row = 0
         for m in modules:
