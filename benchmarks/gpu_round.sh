@@ -19,6 +19,8 @@ for s in "$@"; do
     case $s in
         tests) step tests "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
                    tests/test_gpu_engine.py tests/test_kernels.py tests/test_sampler.py tests/test_sampling_kernel.py ;;
+        timeline) step timeline "${TIMELINE_S:-240}" python3 benchmarks/serve_timeline.py --streams 8 64 256 \
+                   --requests 2 --tokens 500 ;;
         latency) step latency "${LATENCY_S:-120}" python3 benchmarks/stream_latency.py --runs 3 --tokens 200 ;;
         serve) PROFILE=1 OUT=$OUT/serve step serve "${SERVE_S:-240}" bash benchmarks/gpu_serve.sh ;;
         synth) step synth "${SYNTH_S:-180}" python3 benchmarks/synth_throughput.py --dummy --lines 512 \

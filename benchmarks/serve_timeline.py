@@ -1,0 +1,167 @@
+"""Where a loaded server's time goes, without HTTP: N threads each stream R requests one after another through
+``VelocityPath.stream_joined`` (what a server request runs: the text split into sentences, up to 4 in flight),
+on full-size random weights, while the engine's steps and the audio rounds are timed on the engine thread.
+
+    python benchmarks/serve_timeline.py --streams 8 64 256 --requests 2 --tokens 500
+
+Per level: wall time, audio seconds per second, first audio p50/p99, and the engine thread's time split into
+scheduler steps (prefill steps, decode windows), audio rounds and waiting, with the rounds' decode calls, windows
+per call and distinct window lengths per round."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import numpy as np
+
+from chattts_velocity.bench.serve import TEXT
+from chattts_velocity.bench.stream import StreamBenchConfig, load_chat
+from chattts_velocity.config import SAMPLE_RATE
+
+
+def instrument(chat):
+    llm, pump = chat.engine.engine, chat._velocity.pump
+    log = {"steps": [], "wakes": [], "decodes": []}
+    step, wake, decode, launch = llm.step, pump.wake, pump.decode, llm.worker.launch_window
+    windows = [0]
+    parts = {"schedule": [0.0], "execute": [0.0], "output": [0.0], "launch_window": [0.0], "collect_window": [0.0]}
+    owners = {"schedule": llm.scheduler, "execute": llm.worker, "output": llm, "launch_window": llm.worker,
+              "collect_window": llm.worker}
+    log["parts"] = parts
+
+    def timer(name, fn):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                parts[name][0] += time.perf_counter() - t0
+        return timed
+
+    for name, owner in owners.items():
+        attr = "_output" if name == "output" else name
+        setattr(owner, attr, timer(name, getattr(owner, attr)))
+    launch = llm.worker.launch_window
+
+    def counted_launch(*args, **kw):
+        windows[0] += 1
+        return launch(*args, **kw)
+
+    def timed_step():
+        waiting, running = len(llm.scheduler.waiting), len(llm.scheduler.running)
+        window_before, launched = llm._window is not None, windows[0]
+        prompt_tokens = llm._totals["num_prompt_tokens"]
+        t0 = time.perf_counter()
+        out = step()
+        log["steps"].append((t0, time.perf_counter(), len(out), waiting, running,
+                             window_before or windows[0] > launched, llm._totals["num_prompt_tokens"] - prompt_tokens))
+        return out
+
+    def timed_wake():
+        t0 = time.perf_counter()
+        wake()
+        if threading.current_thread().name.startswith("chattts-velocity-engine"):
+            log["wakes"].append((t0, time.perf_counter()))
+
+    def timed_decode(windows, use_decoder):
+        t0 = time.perf_counter()
+        out = decode(windows, use_decoder)
+        lengths = sorted({w.tokens.shape[0] for w in windows})
+        log["decodes"].append((t0, time.perf_counter(), len(windows), lengths))
+        return out
+
+    llm.step, pump.wake, pump.decode, llm.worker.launch_window = timed_step, timed_wake, timed_decode, counted_launch
+    return log
+
+
+def level(chat, log, streams: int, requests: int, tokens: int) -> dict:
+    for key, v in log.items():
+        if key == "parts":
+            for cell in v.values():
+                cell[0] = 0.0
+        else:
+            v.clear()
+    texts = chat._prepare_texts(TEXT, True, None, True, True)
+    spk = chat.sample_random_speaker()
+    firsts, audio_s, errors = [], [], []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        for r in range(requests):
+            p = chat.InferCodeParams(spk_emb=spk, manual_seed=1000 * i + r, max_new_token=tokens,
+                                     min_new_token=tokens, show_tqdm=False)
+            start, first, n = time.perf_counter(), None, 0
+            try:
+                for chunk in chat._velocity.stream_joined(texts, p, use_decoder=True, in_flight=4):
+                    if first is None:
+                        first = time.perf_counter() - start
+                    n += chunk.size
+            except Exception as e:  # noqa: BLE001 - counted
+                with lock:
+                    errors.append(repr(e))
+                continue
+            with lock:
+                firsts.append(first)
+                audio_s.append(n / SAMPLE_RATE)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    steps, wakes, decodes = log["steps"], log["wakes"], log["decodes"]
+    step_s = sum(b - a for a, b, *_ in steps)
+    window_s = sum(b - a for a, b, _, _, _, w, _ in steps if w)
+    slow = sorted(((b - a, w, n, wt, r, pt) for a, b, n, wt, r, w, pt in steps if not w), reverse=True)[:6]
+    wake_s = sum(b - a for a, b in wakes)
+    decode_s = sum(b - a for a, b, _, _ in decodes)
+    rounds_with_decode = len({round(a, 6) for a, *_ in decodes})
+    return {
+        "streams": streams, "requests": len(firsts), "errors": len(errors), "wall_s": round(wall, 3),
+        "audio_s_per_s": round(sum(audio_s) / wall, 1),
+        "first_audio_p50_ms": round(1e3 * float(np.median(firsts)), 1) if firsts else None,
+        "first_audio_p99_ms": round(1e3 * float(np.percentile(firsts, 99)), 1) if firsts else None,
+        "engine_steps": len(steps), "engine_step_s": round(step_s, 3), "of_which_windows_s": round(window_s, 3),
+        "audio_round_s": round(wake_s, 3), "engine_thread_idle_s": round(wall - step_s - wake_s, 3),
+        "decode_calls": len(decodes), "decode_s": round(decode_s, 3),
+        "decode_ms_per_call": round(1e3 * decode_s / max(len(decodes), 1), 2),
+        "windows_per_call": round(sum(n for _, _, n, _ in decodes) / max(len(decodes), 1), 1),
+        "distinct_lengths_per_call_set": round(np.mean([len(ls) for *_, ls in decodes]), 2) if decodes else 0,
+        "rounds_with_decode": rounds_with_decode,
+        "mean_batch": round(float(np.mean([r for *_, r, _, _ in steps])), 1) if steps else 0,
+        "step_parts_s": {k: round(v[0], 3) for k, v in log["parts"].items()},
+        "slowest_other_steps (s, window, outputs, waiting, running, prompt tokens)":
+            [(round(d, 4), w, n, wt, r, pt) for d, w, n, wt, r, pt in slow],
+        "first_errors": errors[:2],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[8, 64, 256])
+    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=500)
+    ap.add_argument("--size", default="full", choices=["full", "tiny"])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    chat = load_chat(StreamBenchConfig(size=args.size), max(args.streams) * 4)
+    log = instrument(chat)
+    level(chat, log, 2, 1, 64)  # warm-up
+    rows = []
+    for n in args.streams:
+        row = level(chat, log, n, args.requests, args.tokens)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    chat.unload()
+
+
+if __name__ == "__main__":
+    main()
