@@ -7,6 +7,7 @@ Every request is admitted against ``max_concurrent`` running and ``max_queue`` w
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import ctypes
 import gc
@@ -255,7 +256,7 @@ async def _chunks(state: _State, audio: JoinedAudio, ticket: Ticket) -> AsyncIte
     async with ticket.slot():
         state.in_flight += 1
         try:
-            while (chunk := await anyio.to_thread.run_sync(next, audio, None)) is not None:
+            async for chunk in _produced(audio):
                 if first:
                     state.metrics.first_audio(time.monotonic() - start)
                     first = False
@@ -264,9 +265,44 @@ async def _chunks(state: _State, audio: JoinedAudio, ticket: Ticket) -> AsyncIte
             state.metrics.finished(samples / SAMPLE_RATE, time.monotonic() - start)
         finally:
             state.in_flight -= 1
-            audio.cancel()  # thread-safe, even with a worker thread still inside the iterator
+            audio.cancel()  # also when the request left before its audio started
             if not state.in_flight:
                 state.trim_heap()
+
+
+_DONE = object()
+
+
+async def _produced(audio: JoinedAudio) -> AsyncIterator[np.ndarray]:
+    """``audio``'s chunks, iterated on a thread of its own that hands each chunk to the event loop as it comes.
+    (A worker-thread hop per chunk, ``to_thread.run_sync(next, ...)``, took four GIL hand-offs a chunk; under
+    256 streams on an H100 the server then delivered a third of the audio per second that the same load got
+    in-process, `benchmarks/serve_timeline.py`.) Leaving early cancels ``audio``, which ends the thread."""
+    loop = asyncio.get_running_loop()
+    chunks: asyncio.Queue = asyncio.Queue()
+
+    def put(item) -> None:
+        try:
+            loop.call_soon_threadsafe(chunks.put_nowait, item)
+        except RuntimeError:  # the loop closed (shutdown): nobody reads any more
+            audio.cancel()
+
+    def produce() -> None:
+        try:
+            for chunk in audio:
+                put(chunk)
+            put(_DONE)
+        except BaseException as err:  # noqa: BLE001 - handed to the reader, who raises it
+            put(err)
+
+    threading.Thread(target=produce, name="chattts-velocity-speech", daemon=True).start()
+    try:
+        while (item := await chunks.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        audio.cancel()  # thread-safe, even with the thread inside the iterator
 
 
 async def _encoded(state: _State, body: SpeechRequest, audio, ticket: Ticket) -> AsyncIterator[bytes]:
