@@ -168,9 +168,10 @@ class AudioPump:
                 continue
             for (_, window), wav in zip(group, decoded, strict=True):
                 wavs[id(window)] = wav
+        sends: list[tuple[Feed, object]] = []  # sent once the round is over: a woken reader competes for the GIL
         for feed, outputs, windows in taken:
             if id(feed) in failed:
-                self._fail(feed, failed[id(feed)])
+                sends.append((feed, failed[id(feed)]))
                 continue
             delivery = Delivery(outputs)
             for window in windows:
@@ -179,12 +180,15 @@ class AudioPump:
                 feed.stream.mark_first_audio(rid)
             delivery.done = frozenset(rid for rid, a in feed.audio.items() if a.done)
             if outputs or delivery.samples:
-                feed._send(delivery)
+                sends.append((feed, delivery))
             if feed.stream.exhausted():
-                feed._send(_END)
-                self._forget(feed)
+                sends.append((feed, _END))
             elif feed.stream.has_outputs():  # it stopped before a failed request's output: take that next
                 self.mark(feed.stream)
+        for feed, item in sends:
+            if item is _END or isinstance(item, BaseException):
+                self._forget(feed)
+            feed._send(item)
 
     def _fail(self, feed: Feed, err: BaseException) -> None:
         feed._send(err)
