@@ -44,6 +44,17 @@ def test_decode_growth_allocates_a_block_only_at_a_block_boundary():
     assert bm.num_free_blocks == 2
 
 
+def test_allocate_together_is_all_or_nothing():
+    bm = BlockSpaceManager(num_blocks=5, block_size=4)
+    a, b = make_seq(3), make_seq(6, first=100)
+    compute(bm, a, 3)  # block 0 (1 slot left)
+    compute(bm, b, 6)  # blocks 1, 2
+    assert not bm.allocate_together([a, b], [9, 8])  # 2 + 2 more blocks, 2 free: nobody grows
+    assert (a.block_table, b.block_table, bm.num_free_blocks) == ([0], [1, 2], 2)
+    assert bm.allocate_together([a, b], [5, 2])  # 1 + 1 more blocks (b's 2 tokens fit block 2)
+    assert (a.block_table, b.block_table, bm.num_free_blocks) == ([0, 3], [1, 2], 1)
+
+
 def test_can_allocate_respects_free_count_and_watermark():
     bm = BlockSpaceManager(num_blocks=10, block_size=4, watermark=0.2)
     assert bm.watermark_blocks == 2

@@ -103,6 +103,17 @@ class BlockSpaceManager:
         reserve = self.watermark_blocks if watermark else 0
         return self.num_free_blocks - needed >= reserve
 
+    def allocate_together(self, seqs: list[Sequence], counts: list[int]) -> bool:
+        """Blocks for ``counts[i]`` more tokens of each ``seqs[i]`` past its computed ones, all or none: False,
+        with nothing allocated, when the free pool cannot hold them all (a decode window's reservation)."""
+        needed = sum(max(self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table), 0)
+                     for seq, n in zip(seqs, counts, strict=True))
+        if needed > self.num_free_blocks:
+            return False
+        for seq, n in zip(seqs, counts, strict=True):
+            self.allocate(seq, n)
+        return True
+
     def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> None:
         """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens; ``hits`` (prefix-cache blocks from
         ``lookup_prefix``) start the table of a sequence being admitted and count as computed."""

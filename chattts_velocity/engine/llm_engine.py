@@ -299,12 +299,8 @@ class LLMEngine:
             if seq.is_finished or len(seq) + ahead >= seq.max_tokens:
                 return None
             wanted.append(ahead + min(k, seq.max_tokens - len(seq) - ahead))
-        needed = sum(max(bm.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table), 0)
-                     for seq, n in zip(window.seqs, wanted, strict=True))
-        if needed > bm.num_free_blocks:
+        if not bm.allocate_together(window.seqs, wanted):
             return None
-        for seq, n in zip(window.seqs, wanted, strict=True):
-            bm.allocate(seq, n)
         return self.worker.launch_window(window.seqs, k, continuing=True)
 
     def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:

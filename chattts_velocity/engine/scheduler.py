@@ -82,14 +82,9 @@ class Scheduler:
             k = min(k, self.first_window_tokens - youngest)
         if k < 2:
             return
-        wanted = [min(k, s.seq.max_tokens - len(s.seq)) for s in out.scheduled]
-        total = sum(max(bm.blocks_for(s.seq.num_computed_tokens + n) - len(s.seq.block_table), 0)
-                    for s, n in zip(out.scheduled, wanted, strict=True))
-        if total > bm.num_free_blocks:
-            return
-        for s, n in zip(out.scheduled, wanted, strict=True):
-            bm.allocate(s.seq, n)
-        out.num_steps = k
+        seqs = [s.seq for s in out.scheduled]
+        if bm.allocate_together(seqs, [min(k, seq.max_tokens - len(seq)) for seq in seqs]):
+            out.num_steps = k
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
