@@ -260,6 +260,26 @@ def test_speaker_and_voice_sample_change_the_output(chat, make_engine, workload)
     assert not torch.equal(with_smp.hidden_states[:1], no_smp.hidden_states[:1])
 
 
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_no_window_runs_past_every_sequence_s_length_limit(chat, make_engine, pipeline):
+    """13 tokens in windows of 8: the prefill's token, a window of 8, then a window of the 4 left (a full window
+    would compute 4 steps nobody can use), whether or not the last window is queued behind the previous one."""
+    engine = make_engine(num_decode_steps=8, first_window_tokens=0, pipeline_decode=pipeline)
+    launched = []
+    original = engine.worker.launch_window
+    engine.worker.launch_window = lambda seqs, k, continuing=False: (launched.append(k),
+                                                                      original(seqs, k, continuing))[1]
+    engine.add_request("s", code_prompt(chat, "no wasted steps"), params(min_new_tokens=13, max_new_tokens=13))
+    final = [out for out in iter_steps(engine) if out.finished][0]
+    assert launched == [8, 4]
+    assert final.finish_reason is FinishReason.LENGTH and final.num_generated == 13
+
+
+def iter_steps(engine):
+    while engine.has_unfinished_requests():
+        yield from engine.step()
+
+
 @pytest.mark.parametrize("window", [1, 4])
 def test_step_reports_each_new_token_incrementally(chat, make_engine, window):
     engine = make_engine(num_decode_steps=window)

@@ -301,7 +301,7 @@ class LLMEngine:
             wanted.append(ahead + min(k, seq.max_tokens - len(seq) - ahead))
         if not bm.allocate_together(window.seqs, wanted):
             return None
-        return self.worker.launch_window(window.seqs, k, continuing=True)
+        return self.worker.launch_window(window.seqs, max(n - ahead for n in wanted), continuing=True)
 
     def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:
         """Append sampled tokens until EOS or the length limit; every accepted step computed one more token."""

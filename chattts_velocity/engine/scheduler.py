@@ -80,9 +80,10 @@ class Scheduler:
         youngest = min(s.seq.num_generated for s in out.scheduled)
         if youngest < self.first_window_tokens:  # a short window brings it to its first audio sooner
             k = min(k, self.first_window_tokens - youngest)
+        seqs = [s.seq for s in out.scheduled]
+        k = min(k, max(seq.max_tokens - len(seq) for seq in seqs))  # no steps past every length limit
         if k < 2:
             return
-        seqs = [s.seq for s in out.scheduled]
         if bm.allocate_together(seqs, [min(k, seq.max_tokens - len(seq)) for seq in seqs]):
             out.num_steps = k
 
