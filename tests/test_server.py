@@ -192,3 +192,19 @@ def test_bench_serve_drives_the_server(server, tmp_path):
     assert [r["streams"] for r in rows] == [1, 2] and all(r["failures"] == 0 for r in rows)
     assert all(r["ttfa_p50_ms"] > 0 and r["rtf_min"] > 0 for r in rows)
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_bench_serve_says_how_a_request_failed(tmp_path):
+    """Nothing listens: every request fails, and the report says how and when (before any byte)."""
+    import socket
+
+    from chattts_velocity.bench.serve import ServeBenchConfig, run_and_report
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    report = run_and_report(ServeBenchConfig(url=f"http://127.0.0.1:{port}", streams=(2,), requests_per_stream=1,
+                                             timeout_s=5.0))
+    (row,) = report["rows"]
+    assert row["failures"] == 2 and row["statuses"] == ["ConnectError"]
+    assert len(row["errors"]) == 2 and all(e.startswith("ConnectError before any byte: ") for e in row["errors"])

@@ -54,7 +54,8 @@ async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
                 arrivals.append(time.perf_counter() - start)
                 size += len(chunk)
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-        return {"ok": False, "status": type(e).__name__}
+        when = f"after {size} bytes, {time.perf_counter() - start:.2f} s" if arrivals else "before any byte"
+        return {"ok": False, "status": type(e).__name__, "error": f"{type(e).__name__} {when}: {e!r}"[:300]}
     wall = time.perf_counter() - start
     gaps = np.diff(arrivals) if len(arrivals) > 1 else np.zeros(1)
     return {"ok": size > 0, "status": 200, "ttfa": arrivals[0] if arrivals else None, "gap_max": float(gaps.max()),
@@ -77,6 +78,7 @@ async def _level(cfg: ServeBenchConfig, n: int) -> dict:
     pct = (lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan"))  # noqa: E731
     return dict(streams=n, requests=len(results), failures=len(results) - len(ok),
                 statuses=sorted({str(r["status"]) for r in results}),
+                errors=[r["error"] for r in results if "error" in r][:5],
                 ttfa_p50_ms=pct([r["ttfa"] for r in ok], 50), ttfa_p99_ms=pct([r["ttfa"] for r in ok], 99),
                 gap_p99_ms=pct([r["gap_max"] for r in ok], 99),
                 rtf_min=min((r["rtf"] for r in ok), default=float("nan")),

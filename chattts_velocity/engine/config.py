@@ -32,8 +32,9 @@ class EngineConfig:
     """Dtype of the Llama core and its KV cache: float32, float16 or bfloat16 (logits are always float32)."""
     num_decode_steps: int = 32
     """Decode steps per scheduler call when the batch is all audio decodes (the device updates the inputs
-    between them); 1 schedules every step. A finished sequence may compute up to this many unused steps, and
-    a new request waits for the running window (two with ``pipeline_decode``)."""
+    between them); 1 schedules every step. No window runs past every sequence's length limit, but a sequence
+    that ends by EOS may compute up to this many unused steps, and a new request waits for the running window
+    (two with ``pipeline_decode``)."""
     first_window_tokens: int = 16
     """A batch holding a sequence with fewer generated tokens than this runs a window that is just long enough
     to bring it there, so a stream's first audio (``StreamConfig.first_chunk + lookahead`` tokens, 16 by
