@@ -53,8 +53,10 @@ def main() -> None:
     sample_path = args.sample
     if sample_path is None:
         sample_path = os.path.join(args.out, "sample.wav")
+        torch.manual_seed(args.seed)  # the random speaker too: the same sample every run
+        # a sample of at least 24 tokens (half a second): a voice is not cloned from a click
         params = chat.InferCodeParams(spk_emb=chat.sample_random_speaker(), manual_seed=args.seed,
-                                      max_new_token=args.max_new_token)
+                                      min_new_token=min(24, args.max_new_token), max_new_token=args.max_new_token)
         sf.write(sample_path, chat.infer(args.transcript, skip_refine_text=True, params_infer_code=params)[0], RATE)
         print(f"no --sample given: synthesised {sample_path} to clone")
 
