@@ -204,7 +204,7 @@ def test_bench_serve_says_how_a_request_failed(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     report = run_and_report(ServeBenchConfig(url=f"http://127.0.0.1:{port}", streams=(2,), requests_per_stream=1,
-                                             timeout_s=5.0))
+                                             timeout_s=5.0, json_path=str(tmp_path / "bench_serve.json")))
     (row,) = report["rows"]
     assert row["failures"] == 2 and row["statuses"] == ["ConnectError"]
     assert len(row["errors"]) == 2 and all(e.startswith("ConnectError before any byte: ") for e in row["errors"])
