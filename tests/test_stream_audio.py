@@ -308,3 +308,38 @@ def test_audio_pump_ends_a_closed_stream_and_reports_a_failed_request(chat):
             seen += delivery.samples.get("b", [])
     assert seen, "the audio before the failure is delivered first"
     assert not pump._feeds
+
+
+def test_closing_a_stream_never_waits_for_a_round(chat):
+    """The server closes a stream from its event loop: that must end the reader's feed at once, not wait for
+    (or run) a decode round, which the engine thread may be in the middle of."""
+    import threading
+    import time
+
+    from chattts_velocity.audio import AudioPump
+    from chattts_velocity.engine import RequestStream
+
+    pump, engine = AudioPump(chat.audio), _Engine()
+    busy, idle = RequestStream(engine, ["busy"]), RequestStream(engine, ["idle"])
+    busy_feed, idle_feed = pump.open(busy, DEFAULT, use_decoder=True), pump.open(idle, DEFAULT, use_decoder=True)
+    gate, entered = threading.Event(), threading.Event()
+    decode = pump.decode
+
+    def held(windows, use_decoder):
+        entered.set()
+        gate.wait(10)
+        return decode(windows, use_decoder)
+
+    pump.decode = held
+    busy._put(_out("busy", _tokens(chat, 30, True), True, 30), 0.0)
+    engine_thread = threading.Thread(target=pump.wake)  # the engine thread's round, held inside its decode
+    engine_thread.start()
+    assert entered.wait(10)
+    start = time.monotonic()
+    idle.close()
+    took = time.monotonic() - start
+    assert list(idle_feed) == []  # ended at once
+    gate.set()
+    engine_thread.join(10)
+    assert took < 1.0, f"close waited {took:.1f} s for the round"
+    assert sum(x.size for d in busy_feed for x in d.samples.get("busy", [])) > 0

@@ -114,13 +114,22 @@ class AudioPump:
 
     # ---------------------------------------------------------------- RequestStream's listener protocol
     def mark(self, stream) -> None:
-        """``stream`` has news (outputs, or it was closed); the next ``wake`` takes it."""
+        """``stream`` has new outputs; the next ``wake`` takes them."""
         with self._lock:
             self._marked[id(stream)] = None
 
+    def closed(self, stream) -> None:
+        """``stream`` was closed (from any thread, the server's event loop included): its reader's feed ends at
+        once, without running a round on the caller's thread."""
+        with self._lock:
+            feed = self._feeds.pop(id(stream), None)
+            self._marked.pop(id(stream), None)
+        if feed is not None:
+            feed._send(_END)
+
     def wake(self) -> None:
-        """Run rounds on this thread until no marked stream is left (the engine calls it after each step; a
-        ``close`` from another thread calls it too, so that stream's reader sees its end)."""
+        """Run rounds on this thread until no marked stream is left: the engine calls it after each step, and
+        ``open`` once, for outputs that arrived before it."""
         with self._rounds:
             while True:
                 with self._lock:

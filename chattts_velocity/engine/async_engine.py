@@ -100,14 +100,13 @@ class RequestStream:
             self._cond.notify_all()  # a reader blocked in another thread sees the stream end
             listener = self._listener
         if listener is not None:  # so does a reader of its audio
-            listener.mark(self)
-            listener.wake()
+            listener.closed(self)
         for rid in pending:
             self._engine.abort(rid)
 
     def listen(self, listener) -> None:
-        """Have ``listener.mark(stream)`` called after each output and at ``close``; the engine calls
-        ``listener.wake()`` once after handing out a step's outputs. None stops it."""
+        """Have ``listener.mark(stream)`` called after each output and ``listener.closed(stream)`` at ``close``;
+        the engine calls ``listener.wake()`` once after handing out a step's outputs. None stops it."""
         with self._cond:
             self._listener = listener
 
