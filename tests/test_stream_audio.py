@@ -309,6 +309,10 @@ def test_audio_pump_ends_a_closed_stream_and_reports_a_failed_request(chat):
     assert seen, "the audio before the failure is delivered first"
     assert not pump._feeds
 
+    early = RequestStream(engine, ["c"])  # a short request that finished before its reader opened a feed
+    early._put(_out("c", _tokens(chat, 20, True), True, 20), 0.0)
+    assert sum(x.size for d in pump.open(early, DEFAULT, use_decoder=True) for x in d.samples.get("c", [])) > 0
+
 
 def test_closing_a_stream_never_waits_for_a_round(chat):
     """The server closes a stream from its event loop: that must end the reader's feed at once, not wait for

@@ -103,8 +103,9 @@ class AudioPump:
         with self._lock:
             self._feeds[id(stream)] = feed
         stream.listen(self)
-        self.mark(stream)
-        self.wake()
+        if stream.has_outputs():  # outputs that came before ``listen`` marked nothing: take them now (later ones
+            self.mark(stream)  # are marked and taken by the engine thread's round after their step)
+            self.wake()
         return feed
 
     def decode(self, windows: list[Window], use_decoder: bool) -> list[np.ndarray]:
@@ -129,7 +130,7 @@ class AudioPump:
 
     def wake(self) -> None:
         """Run rounds on this thread until no marked stream is left: the engine calls it after each step, and
-        ``open`` once, for outputs that arrived before it."""
+        ``open`` for outputs that arrived before it."""
         with self._rounds:
             while True:
                 with self._lock:
