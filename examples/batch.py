@@ -10,10 +10,9 @@ show how failures are reported). Rerunning with the same ``--out`` skips the lin
 
 from __future__ import annotations
 
-import argparse
-
-import chattts_velocity
 from chattts_velocity.synth import SynthConfig, synth
+
+from _common import example_parser, load_chat
 
 LINES = [
     "The first line of the batch.",
@@ -25,21 +24,13 @@ LINES = [
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: the Hugging Face weights)")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    ap.add_argument("--out", default="batch_out", help="output folder (default: batch_out)")
+    ap = example_parser(__doc__, "batch_out")
     ap.add_argument("--input", default=None, help="a text or .jsonl file (default: the built-in lines)")
     ap.add_argument("--format", default="wav", choices=["wav", "flac", "mp3", "ogg"])
     ap.add_argument("--seed", type=int, default=42, help="seed of the lines without their own")
-    ap.add_argument("--max-new-token", type=int, default=2048, help="audio tokens per sentence at most")
     args = ap.parse_args()
 
-    chat = chattts_velocity.Chat()
-    if args.model:
-        chat.load(source="custom", custom_path=args.model, device=args.device)
-    else:
-        chat.load(source="huggingface", device=args.device)
+    chat = load_chat(args)
     config = SynthConfig(out_dir=args.out, fmt=args.format, seed=args.seed, random_speaker=True, refine=False,
                          max_new_token=args.max_new_token)
     result = synth(chat, args.input or LINES, config)

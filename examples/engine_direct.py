@@ -10,15 +10,15 @@ Writes OUT/engine_0.wav, OUT/engine_1.wav, ... and prints the engine's statistic
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import soundfile as sf
 
-import chattts_velocity
 from chattts_velocity.engine import EngineConfig, LLMEngine, Prompt, SamplingParams
 from chattts_velocity.text import decorate_code_prompts, speaker_vector
+
+from _common import example_parser, load_chat
 
 TEXTS = ["The engine runs every request in one batch.", "Each request has its own seed and speaker.",
          "Tokens arrive step by step."]
@@ -39,18 +39,10 @@ def prompts(chat, texts: list[str], speakers: list[str]) -> list[Prompt]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: the Hugging Face weights)")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    ap.add_argument("--out", default="engine_out", help="output folder (default: engine_out)")
-    ap.add_argument("--max-new-token", type=int, default=2048, help="audio tokens per request at most")
+    ap = example_parser(__doc__, "engine_out", "audio tokens per request at most")
     args = ap.parse_args()
 
-    chat = chattts_velocity.Chat()
-    if args.model:
-        chat.load(source="custom", custom_path=args.model, device=args.device)
-    else:
-        chat.load(source="huggingface", device=args.device)
+    chat = load_chat(args)
     engine = LLMEngine.from_model(chat.model, EngineConfig(max_num_seqs=8, kv_cache_gib=1.0), chat.device)
     speakers = [chat.sample_random_speaker() for _ in TEXTS]
     for i, prompt in enumerate(prompts(chat, TEXTS, speakers)):

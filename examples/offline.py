@@ -8,31 +8,22 @@ names a folder in the upstream ``asset/`` layout; writes ``OUT/offline.wav`` (24
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import soundfile as sf
 
-import chattts_velocity
+from _common import example_parser, load_chat
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: the Hugging Face weights)")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    ap.add_argument("--out", default="offline_out", help="output folder (default: offline_out)")
+    ap = example_parser(__doc__, "offline_out")
     ap.add_argument("--text", default="Hello, this is ChatTTS, spoken by the velocity engine.")
     ap.add_argument("--seed", type=int, default=42, help="manual_seed: the same seed gives the same audio")
-    ap.add_argument("--max-new-token", type=int, default=2048, help="audio tokens per sentence at most")
     ap.add_argument("--no-refine", action="store_true", help="skip the text-refine pass (oral tags, pauses)")
     args = ap.parse_args()
 
-    chat = chattts_velocity.Chat()
-    if args.model:
-        chat.load(source="custom", custom_path=args.model, device=args.device)
-    else:
-        chat.load(source="huggingface", device=args.device)
+    chat = load_chat(args)
     speaker = chat.sample_random_speaker()  # keep this string to reuse the voice
     params = chat.InferCodeParams(spk_emb=speaker, manual_seed=args.seed, max_new_token=args.max_new_token)
     refine = chat.RefineTextParams(manual_seed=args.seed)

@@ -9,30 +9,21 @@ Writes OUT/streamed.wav (24 kHz mono, 16-bit)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import soundfile as sf
 
-import chattts_velocity
+from _common import example_parser, load_chat
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: the Hugging Face weights)")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    ap.add_argument("--out", default="stream_out", help="output folder (default: stream_out)")
+    ap = example_parser(__doc__, "stream_out", "audio tokens at most")
     ap.add_argument("--text", default="Streaming audio starts playing long before the whole answer is generated.")
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--max-new-token", type=int, default=2048, help="audio tokens at most")
     args = ap.parse_args()
 
-    chat = chattts_velocity.Chat()
-    if args.model:
-        chat.load(source="custom", custom_path=args.model, device=args.device)
-    else:
-        chat.load(source="huggingface", device=args.device)
+    chat = load_chat(args)
     params = chat.InferCodeParams(spk_emb=chat.sample_random_speaker(), manual_seed=args.seed,
                                   max_new_token=args.max_new_token)
     os.makedirs(args.out, exist_ok=True)

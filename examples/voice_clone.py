@@ -9,7 +9,6 @@ script runs on its own. The sample is mixed to mono and resampled to 24 kHz; wri
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
@@ -17,7 +16,7 @@ import soundfile as sf
 import torch
 import torchaudio
 
-import chattts_velocity
+from _common import example_parser, load_chat
 
 RATE = 24000
 
@@ -32,23 +31,15 @@ def load_sample(path: str) -> np.ndarray:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: the Hugging Face weights)")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    ap.add_argument("--out", default="clone_out", help="output folder (default: clone_out)")
+    ap = example_parser(__doc__, "clone_out")
     ap.add_argument("--sample", default=None, help="the voice to clone: a recording, ideally 3-30 s")
     ap.add_argument("--transcript", default="This is the voice that will be cloned.",
                     help="what is said in the sample")
     ap.add_argument("--text", default="And these are new words, in the same voice.")
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--max-new-token", type=int, default=2048, help="audio tokens per sentence at most")
     args = ap.parse_args()
 
-    chat = chattts_velocity.Chat()
-    if args.model:
-        chat.load(source="custom", custom_path=args.model, device=args.device)
-    else:
-        chat.load(source="huggingface", device=args.device)
+    chat = load_chat(args)
     os.makedirs(args.out, exist_ok=True)
     sample_path = args.sample
     if sample_path is None:

@@ -132,27 +132,16 @@ class RequestStream:
                 self._cond.wait()
             return self._check(self._items.popleft())
 
-    def next_batch(self) -> list[RequestOutput]:
-        """Block until outputs are there and take them all (what one engine step produced, usually); an
-        empty list once every request finished and was read. Raises ``RequestError`` like iteration does,
-        after the outputs before the failed one were taken (they are returned by the next call)."""
-        with self._cond:
-            while not self._items and self._pending:
-                self._cond.wait()
-            return self._take_locked()
-
     def take(self) -> list[RequestOutput]:
-        """``next_batch`` without waiting: the outputs there now (maybe none)."""
+        """Every output there now (maybe none), without waiting. A failed request's output raises ``RequestError``
+        like iteration does: the outputs queued before it are returned first, and the next call raises."""
         with self._cond:
-            return self._take_locked()
-
-    def _take_locked(self) -> list[RequestOutput]:
-        batch = []
-        while self._items:
-            if self._items[0].error is not None and batch:
-                break
-            batch.append(self._check(self._items.popleft()))
-        return batch
+            batch = []
+            while self._items:
+                if self._items[0].error is not None and batch:
+                    break
+                batch.append(self._check(self._items.popleft()))
+            return batch
 
     def has_outputs(self) -> bool:
         with self._cond:

@@ -1,0 +1,29 @@
+"""What the examples share: their model, device, output and length options, and a ``Chat`` loaded from them."""
+
+from __future__ import annotations
+
+import argparse
+
+import chattts_velocity
+
+
+def example_parser(doc: str, out: str,
+                   max_new_help: str = "audio tokens per sentence at most") -> argparse.ArgumentParser:
+    """A parser with ``--model``, ``--device``, ``--out`` (default ``out``) and ``--max-new-token``; the description
+    is the first paragraph of the example's ``doc``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the Hugging Face weights)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--out", default=out, help=f"output folder (default: {out})")
+    ap.add_argument("--max-new-token", type=int, default=2048, help=max_new_help)
+    return ap
+
+
+def load_chat(args: argparse.Namespace) -> chattts_velocity.Chat:
+    """``--model``'s checkpoint folder, or the Hugging Face weights (downloaded once), on ``--device``."""
+    chat = chattts_velocity.Chat()
+    if args.model:
+        chat.load(source="custom", custom_path=args.model, device=args.device)
+    else:
+        chat.load(source="huggingface", device=args.device)
+    return chat
