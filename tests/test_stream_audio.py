@@ -286,6 +286,8 @@ def test_audio_pump_decodes_every_stream_of_an_engine_step_in_one_round(chat):
 
 
 def test_audio_pump_ends_a_closed_stream_and_reports_a_failed_request(chat):
+    import threading
+
     from chattts_velocity.audio import AudioPump
     from chattts_velocity.engine import RequestError, RequestStream
 
@@ -308,6 +310,15 @@ def test_audio_pump_ends_a_closed_stream_and_reports_a_failed_request(chat):
             seen += delivery.samples.get("b", [])
     assert seen, "the audio before the failure is delivered first"
     assert not pump._feeds
+
+    gone = RequestStream(engine, ["d"])  # closed (a client left) between its submission and its reader's open
+    gone.close()
+    read = []
+    reader = threading.Thread(target=lambda: read.append(list(pump.open(gone, DEFAULT, use_decoder=True))),
+                              daemon=True)
+    reader.start()
+    reader.join(10)
+    assert read == [[]], "the feed of a stream closed before it was opened must end, not wait forever"
 
     early = RequestStream(engine, ["c"])  # a short request that finished before its reader opened a feed
     early._put(_out("c", _tokens(chat, 20, True), True, 20), 0.0)

@@ -103,8 +103,10 @@ class AudioPump:
         with self._lock:
             self._feeds[id(stream)] = feed
         stream.listen(self)
-        if stream.has_outputs():  # outputs that came before ``listen`` marked nothing: take them now (later ones
-            self.mark(stream)  # are marked and taken by the engine thread's round after their step)
+        # outputs that came before ``listen`` marked nothing, and a ``close`` before it told nobody: take them
+        # now (later outputs are marked and taken by the engine thread's round after their step)
+        if stream.has_outputs() or stream.exhausted():
+            self.mark(stream)
             self.wake()
         return feed
 
