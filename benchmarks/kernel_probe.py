@@ -1,5 +1,5 @@
-"""GPU probe at the GPT's shapes (``--parts fused attention attention_sweep audio``): the fused decode linears
-vs the unfused ops (cuBLAS), decode attention by split count and by tile/warps, and the wav decode in fp32 /
+"""GPU probe at the GPT's shapes (``--parts fused gemv attention attention_sweep audio``): the fused decode
+linears vs the unfused ops (cuBLAS), the one-row GEMV (config sweep) vs the skinny GEMM at batch 1, decode attention by split count and by tile/warps, and the wav decode in fp32 /
 TF32 / bf16 / fp16. Each kernel timing replays a CUDA graph of 20 launches over 20 distinct operands (like 20
 layers, so nothing stays in L2); medians of 30 replays."""
 
@@ -74,6 +74,65 @@ def fused_probe(dtype) -> None:
             best = sorted((v, c) for c, v in out.items() if c != "unfused")[:3]
             print(f"{name:18s} M={m:4d} floor {floor_us:5.2f} unfused {out['unfused']:6.2f}  best: "
                   + ", ".join(f"{c} {v:.2f}" for v, c in best), flush=True)
+
+
+def gemv_probe(dtype) -> None:
+    """Batch 1: each linear role as the skinny tensor-core GEMM (its default config; for q/k/v followed by the
+    rotary + KV-write launch) against the one-row GEMV with the rotation and the write fused (config sweep)."""
+    from chattts_velocity.kernels._triton.gemv import default_config, gemv_triton
+    from chattts_velocity.kernels._triton.linear import fused_linear_triton
+
+    roles = {"qkv+norm+res+rope": (2304, 768, True, False, True), "o": (768, 768, False, False, False),
+             "gate_up+norm+res+silu": (6144, 768, True, True, False), "down": (768, 3072, False, False, False)}
+    cos_sin = kernels.rotary_cos_sin_cache(64, 4096, 10000.0, "cuda")
+    caches = [(torch.zeros(64, 16, 12, 64, device="cuda", dtype=dtype),
+               torch.zeros(64, 16, 12, 64, device="cuda", dtype=dtype)) for _ in range(20)]
+    pos = torch.tensor([285], device="cuda")
+    slots = torch.tensor([285], device="cuda")
+    print("\n== batch 1: skinny GEMM (+ rotary/KV launch) vs one-row GEMV, 20 distinct weights, us per call ==")
+    for name, (n, k, norm, gated, rope) in roles.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(20)]
+        nw = torch.ones(k, device="cuda", dtype=dtype)
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        res = torch.randn(1, k, device="cuda", dtype=dtype) if norm else None
+        floor_us = ws[0].numel() * 2 / 3.35e12 * 1e6
+
+        def skinny():
+            for w, (kc, vc) in zip(ws, caches, strict=True):
+                out = fused_linear_triton(x, w, nw if norm else None, 1e-6, res, gated)
+                if rope:
+                    qkv = out[0]
+                    q, kk, v = qkv.view(1, 36, 64).split([12, 12, 12], dim=1)
+                    kernels.rotary_store_kv(q, kk, v, pos, cos_sin, kc, vc, slots)
+
+        def gemv(cfg):
+            return [gemv_triton(x, w, nw if norm else None, 1e-6, res, gated,
+                                (pos, cos_sin, kc, vc, slots, 12, 12) if rope else None, config=cfg)
+                    for w, (kc, vc) in zip(ws, caches, strict=True)]
+
+        base = graph_time(skinny) / 20 * 1e3
+        ref = _unfused(x, ws[-1], norm_weight=nw if norm else None, residual=res, gated=gated)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        times = {}
+        for bn in (2, 4, 8, 16):
+            for bk in (128, 256, 512):
+                for warps in (1, 2, 4, 8):
+                    cfg = (bn, bk, warps)
+                    try:
+                        got = gemv(cfg)[-1]
+                        got = got[0] if isinstance(got, tuple) else got
+                        if not rope:  # (the rotated q/k are checked by the kernel tests)
+                            err = (got.float() - ref.float()).abs().max().item()
+                            if err > 0.05:
+                                print("  bad", name, cfg, err)
+                                continue
+                        times[cfg] = graph_time(lambda cfg=cfg: gemv(cfg)) / 20 * 1e3
+                    except Exception as e:  # noqa: BLE001 (a config that does not compile)
+                        print("  fail", name, cfg, type(e).__name__, str(e)[:200])
+        best = sorted((v, c) for c, v in times.items())[:4]
+        dflt = default_config(n // 2 if gated else n, k, gated, rope, dtype, True)
+        print(f"{name:22s} floor {floor_us:5.2f} skinny {base:6.2f}  default {dflt} {times.get(dflt, float('nan')):6.2f}"
+              "  best: " + ", ".join(f"{c} {v:.2f}" for v, c in best), flush=True)
 
 
 def _unfused(x, w, norm_weight=None, eps=1e-6, residual=None, gated=False):
@@ -181,6 +240,8 @@ def main() -> None:
     torch.manual_seed(0)
     if "fused" in args.parts:
         fused_probe(torch.float16)
+    if "gemv" in args.parts:
+        gemv_probe(torch.float16)
     if "attention" in args.parts:
         attention_probe(torch.float16)
     if "attention_sweep" in args.parts:

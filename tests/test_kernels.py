@@ -187,6 +187,44 @@ def _check_fused_linear(dtype: torch.dtype, device: str, m: int, k: int, n: int,
     _assert_close(out, expected, dtype)
 
 
+def _check_qkv_rotary(dtype: torch.dtype, device: str, m: int, k: int, heads: tuple[int, int], head_dim: int,
+                      block_size: int, residual: bool, skip_slot: bool) -> None:
+    """The layer front: norm (+ residual) + q/k/v GEMM, then rotary and the KV write, against the references;
+    ``skip_slot``: the token's slot is -1 (a step past its sequence's end writes no KV)."""
+    q_heads, kv_heads = heads
+    x = _randn(m, k, dtype=dtype, device=device)
+    weight = _randn((q_heads + 2 * kv_heads) * head_dim, k, dtype=dtype, device=device, std=k**-0.5)
+    cos_sin = K.rotary_cos_sin_cache(head_dim, 4096, 10000.0, device)
+    positions = torch.randint(0, 4096, (m,)).to(device)
+    num_blocks = -(-m // block_size) + 2
+    slots = torch.randperm(num_blocks * block_size)[:m]
+    if skip_slot:
+        slots[0] = -1
+    slots = slots.to(device)
+    k_cache, v_cache = (_randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+                        for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kw = dict(norm_weight=_randn(k, dtype=dtype, device=device, std=0.1, mean=1.0), eps=1e-6,
+              residual=_randn(m, k, dtype=dtype, device=device) if residual else None, positions=positions,
+              cos_sin_cache=cos_sin, slot_mapping=slots, num_heads=q_heads, num_kv_heads=kv_heads)
+    qkv, new_res = K.fused_qkv_rotary_store(x, weight, k_cache=k_cache, v_cache=v_cache, **kw)
+    qkv_ref, new_res_ref = K.fused_qkv_rotary_store_ref(x, weight, k_cache=k_ref, v_cache=v_ref, **kw)
+    if residual:
+        assert torch.equal(new_res, new_res_ref), "new residual differs"
+    else:
+        assert new_res is None and new_res_ref is None
+    _assert_close(qkv, qkv_ref, dtype)
+    _assert_close(k_cache, k_ref, dtype)
+    _assert_close(v_cache, v_ref, dtype)
+    keep = slots >= 0
+    kv = qkv[:, q_heads * head_dim :].view(m, 2, kv_heads, head_dim)
+    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[slots[keep]], kv[keep, 0]), "cached k != rotated k"
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots[keep]], kv[keep, 1]), "cached v != v"
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
+    untouched[slots[keep]] = False
+    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[untouched], k_ref.view(-1, kv_heads, head_dim)[untouched])
+
+
 CHECKS = {
     "rms_norm": _check_rms_norm,
     "apply_rotary": _check_apply_rotary,
@@ -196,6 +234,7 @@ CHECKS = {
     "paged_decode_attention": _check_decode,
     "paged_prefill_attention": _check_prefill,
     "fused_linear": _check_fused_linear,
+    "fused_qkv_rotary_store": _check_qkv_rotary,
 }
 
 
@@ -263,6 +302,12 @@ def _linear(name: str, m: int, k: int, n: int, norm: bool = False, residual: boo
     return "fused_linear", name, dict(m=m, k=k, n=n, norm=norm, residual=residual, gated=gated)
 
 
+def _qkv_rotary(name: str, m: int, k: int, heads: tuple[int, int], head_dim: int, block_size: int,
+                residual: bool = False, skip_slot: bool = False) -> tuple[str, str, dict]:
+    return "fused_qkv_rotary_store", name, dict(m=m, k=k, heads=heads, head_dim=head_dim, block_size=block_size,
+                                                residual=residual, skip_slot=skip_slot)
+
+
 INTERPRETER_CASES = _cases(("fp32", "fp16"), [
     _norm("n1_h40", 1, 40),
     _norm("n3_h72_residual", 3, 72, residual=True),
@@ -290,6 +335,13 @@ INTERPRETER_CASES = _cases(("fp32", "fp16"), [
     _linear("m16_norm_residual", 16, 80, 40, norm=True, residual=True),
     _linear("m3_norm_residual_gated", 3, 48, 24, norm=True, residual=True, gated=True),
     _linear("m17_unfused_fallback", 17, 32, 16, norm=True, residual=True, gated=True),
+    _linear("m1_norm_residual_ragged_k", 1, 40, 24, norm=True, residual=True),
+    _linear("m1_norm_residual_gated_ragged_n", 1, 48, 22, norm=True, residual=True, gated=True),
+    _linear("m1_long_k", 1, 72, 12),
+    _qkv_rotary("m1_heads_2_2_d16", 1, 40, (2, 2), 16, 4),
+    _qkv_rotary("m1_gqa_residual_d8", 1, 48, (3, 1), 8, 4, residual=True),
+    _qkv_rotary("m1_skipped_slot", 1, 32, (2, 2), 16, 4, residual=True, skip_slot=True),
+    _qkv_rotary("m3_two_launches", 3, 32, (2, 1), 16, 4, residual=True),
 ])
 
 # The real model: hidden 768, 12 q and 12 KV heads of 64, intermediate 3072, 16-token blocks.
@@ -325,6 +377,11 @@ GPU_CASES = _cases(("fp32", "fp16", "bf16"), [
     _linear("m16_gate_up_norm_residual", 16, 768, 3072, norm=True, residual=True, gated=True),
     _linear("m7_down", 7, 3072, 768),
     _linear("m64_qkv_norm_residual_unfused", 64, 768, 2304, norm=True, residual=True),
+    _linear("m1_gate_up_norm_residual", 1, 768, 3072, norm=True, residual=True, gated=True),
+    _linear("m1_down", 1, 3072, 768),
+    _qkv_rotary("m1_model", 1, 768, (12, 12), 64, 16, residual=True),
+    _qkv_rotary("m1_model_first_layer_skipped_slot", 1, 768, (12, 12), 64, 16, skip_slot=True),
+    _qkv_rotary("m16_model", 16, 768, (12, 12), 64, 16, residual=True),
     _prefill("64_decodes_and_a_prefill", [(1, 300 + 23 * i) for i in range(64)] + [(700, 900)], (12, 12),
              64, 16),
 ])
@@ -378,7 +435,8 @@ def test_triton_interpreter_matches_reference(case: Case, interpreter_results: d
 
 def test_interpreter_ran_every_triton_module(interpreter_results: dict) -> None:
     """Guards against the cases silently comparing the reference with itself."""
-    modules = {"norm", "rotary", "activation", "kv_cache", "rotary_store_kv", "decode", "prefill", "linear"}
+    modules = {"norm", "rotary", "activation", "kv_cache", "rotary_store_kv", "decode", "prefill", "linear",
+               "gemv"}
     ran = {name.rsplit(".", 1)[1] for name in interpreter_results["triton_modules"]}
     assert modules <= ran, f"never ran on Triton: {modules - ran}"
 

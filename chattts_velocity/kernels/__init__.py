@@ -16,7 +16,13 @@ from .attention import (
     paged_prefill_attention_ref,
 )
 from .kv_cache import store_kv, store_kv_ref
-from .linear import MAX_FUSED_ROWS, fused_linear, fused_linear_ref
+from .linear import (
+    MAX_FUSED_ROWS,
+    fused_linear,
+    fused_linear_ref,
+    fused_qkv_rotary_store,
+    fused_qkv_rotary_store_ref,
+)
 from .norm import rms_norm, rms_norm_ref
 from .rotary import (
     apply_rotary,
@@ -31,6 +37,8 @@ __all__ = [
     "MAX_FUSED_ROWS",
     "fused_linear",
     "fused_linear_ref",
+    "fused_qkv_rotary_store",
+    "fused_qkv_rotary_store_ref",
     "apply_rotary",
     "apply_rotary_ref",
     "paged_decode_attention",

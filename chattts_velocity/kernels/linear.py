@@ -1,5 +1,6 @@
 """Linear layers of the decode step with their neighbours fused in: an optional residual add + RMSNorm in
-front (the Llama layer's input and post-attention norms) and an optional SwiGLU gate behind (gate/up)."""
+front (the Llama layer's input and post-attention norms) and an optional SwiGLU gate behind (gate/up); the
+q/k/v projection also with the rotary embedding and the KV-cache write behind it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from torch import Tensor
 
 from ._dispatch import FLOAT_DTYPES, check, check_contiguous, check_same_device, check_tensor, use_triton
 from .activation import silu_and_mul_ref
+from .kv_cache import _check as _check_store_kv
 from .norm import rms_norm_ref
+from .rotary import _check as _check_rotary
+from .rotary import rotary_store_kv, rotary_store_kv_ref
 
 MAX_FUSED_ROWS = 16
 """Up to this many rows one Triton program reads each weight tile once for all rows (a small decode batch).
@@ -26,6 +30,10 @@ def fused_linear(x: Tensor, weight: Tensor, *, norm_weight: Tensor | None = None
     _check(x, weight, norm_weight, residual, gated)
     if not use_triton(x):
         return _unfused(x, weight, norm_weight, eps, residual, gated, rms_norm_ref, silu_and_mul_ref)
+    if x.shape[0] == 1:
+        from ._triton.gemv import gemv_triton
+
+        return gemv_triton(x, weight, norm_weight, eps, residual, gated)
     if x.shape[0] <= MAX_FUSED_ROWS:
         from ._triton.linear import fused_linear_triton
 
@@ -35,6 +43,65 @@ def fused_linear(x: Tensor, weight: Tensor, *, norm_weight: Tensor | None = None
     from ._triton.norm import rms_norm_triton
 
     return _unfused(x, weight, norm_weight, eps, residual, gated, rms_norm_triton, silu_and_mul_triton)
+
+
+def fused_qkv_rotary_store(x: Tensor, weight: Tensor, *, norm_weight: Tensor, eps: float,
+                           residual: Tensor | None, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,
+                           v_cache: Tensor, slot_mapping: Tensor, num_heads: int,
+                           num_kv_heads: int) -> tuple[Tensor, Tensor | None]:
+    """A layer's front: qkv = ``fused_linear(x, weight, norm_weight=..., residual=...)`` ([M, (Hq + 2 Hk) D]),
+    then ``rotary_store_kv`` on its q, k, v views (q and k rotated in place, k and v written to the cache at
+    ``slot_mapping``). Returns (qkv, the new residual, or None without one). One Triton launch for one row
+    (a batch-1 decode step); a launch for the linear and one for the rotation and the write otherwise."""
+    if x.shape[0] == 1 and use_triton(x):
+        _check(x, weight, norm_weight, residual, False)
+        _check_rope(x, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        from ._triton.gemv import gemv_triton
+
+        out = gemv_triton(x, weight, norm_weight, eps, residual, False,
+                          (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads))
+        return out if residual is not None else (out, None)
+    out = fused_linear(x, weight, norm_weight=norm_weight, eps=eps, residual=residual)
+    qkv, new_residual = out if residual is not None else (out, None)
+    _split_rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+                        rotary_store_kv)
+    return qkv, new_residual
+
+
+def fused_qkv_rotary_store_ref(x: Tensor, weight: Tensor, *, norm_weight: Tensor, eps: float,
+                               residual: Tensor | None, positions: Tensor, cos_sin_cache: Tensor,
+                               k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, num_heads: int,
+                               num_kv_heads: int) -> tuple[Tensor, Tensor | None]:
+    """Torch reference of ``fused_qkv_rotary_store``: the reference ops in turn."""
+    out = fused_linear_ref(x, weight, norm_weight=norm_weight, eps=eps, residual=residual)
+    qkv, new_residual = out if residual is not None else (out, None)
+    _split_rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+                        rotary_store_kv_ref)
+    return qkv, new_residual
+
+
+def _split_rotary_store(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor, v_cache: Tensor,
+                        slot_mapping: Tensor, num_heads: int, num_kv_heads: int, op: Callable) -> None:
+    n, head_dim = qkv.shape[0], cos_sin_cache.shape[1]
+    check(qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim,
+          f"weight has {qkv.shape[1]} rows, not (num_heads + 2 num_kv_heads) * head_dim = "
+          f"{(num_heads + 2 * num_kv_heads) * head_dim}")
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    op(q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim),
+       positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
+def _check_rope(x: Tensor, weight: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,
+                v_cache: Tensor, slot_mapping: Tensor, num_heads: int, num_kv_heads: int) -> None:
+    """The one-row launch's checks: those ``rotary_store_kv`` makes, on the q/k/v views of the output."""
+    head_dim = cos_sin_cache.shape[1] if cos_sin_cache.dim() == 2 else 0
+    check(weight.shape[0] == (num_heads + 2 * num_kv_heads) * head_dim,
+          f"weight has {weight.shape[0]} rows, not (num_heads + 2 num_kv_heads) * head_dim = "
+          f"{(num_heads + 2 * num_kv_heads) * head_dim}")
+    q = x.new_empty(1, num_heads, head_dim)
+    k = x.new_empty(1, num_kv_heads, head_dim)
+    _check_rotary(q, k, positions, cos_sin_cache)
+    _check_store_kv(k, k, k_cache, v_cache, slot_mapping)
 
 
 def fused_linear_ref(x: Tensor, weight: Tensor, *, norm_weight: Tensor | None = None, eps: float = 1e-6,

@@ -100,31 +100,33 @@ class LlamaCore:
             linear, norm, eps = decode_cpu.linear_cpu, decode_cpu.rms_norm_cpu, self.eps_tensor
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            # each fused_linear is one Triton launch for a small decode batch (norm and gate included)
-            if residual is None:
-                qkv, residual = linear(x, layer.qkv, norm_weight=layer.input_norm, eps=eps), x
+            # each fused op is one Triton launch for a small decode batch (norm, gate, rotary included)
+            if cpu is not None:
+                if residual is None:
+                    qkv, residual = linear(x, layer.qkv, norm_weight=layer.input_norm, eps=eps), x
+                else:
+                    qkv, residual = linear(x, layer.qkv, norm_weight=layer.input_norm, eps=eps, residual=residual)
+                attn = self._attention_cpu(qkv, cpu, k_cache, v_cache)
             else:
-                qkv, residual = linear(x, layer.qkv, norm_weight=layer.input_norm, eps=eps, residual=residual)
-            x = linear(self._attention(qkv, meta, k_cache, v_cache, cpu), layer.o)
+                qkv, new_residual = kernels.fused_qkv_rotary_store(
+                    x, layer.qkv, norm_weight=layer.input_norm, eps=eps, residual=residual,
+                    positions=meta.positions, cos_sin_cache=self.cos_sin, k_cache=k_cache, v_cache=v_cache,
+                    slot_mapping=meta.slot_mapping, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
+                residual = x if residual is None else new_residual
+                attn = self._attention(qkv, meta, k_cache, v_cache)
+            x = linear(attn, layer.o)
             h, residual = linear(x, layer.gate_up, norm_weight=layer.post_norm, eps=eps, residual=residual,
                                  gated=True)
             x = linear(h, layer.down)
         h, _ = norm(x, self.norm, eps, residual)
         return h
 
-    def _attention(self, qkv: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor,
-                   cpu: decode_cpu.DecodeContext | None) -> Tensor:
-        """qkv [N, q + 2 kv] projections -> attention output [N, q] (before the o projection)."""
-        n = qkv.size(0)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if cpu is not None:
-            q = decode_cpu.rotary_store_kv_cpu(qkv, self.num_heads, self.num_kv_heads, cpu, k_cache, v_cache)
-            return decode_cpu.decode_attention_cpu(q, k_cache, v_cache, cpu).reshape(n, q_size)
+    def _attention(self, qkv: Tensor, meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """qkv [N, q + 2 kv] projections, q rotated and k/v already in the cache -> attention output [N, q]
+        (before the o projection)."""
+        n, q_size = qkv.size(0), self.num_heads * self.head_dim
+        # q stays a strided view of qkv: the kernels take any row stride, so no per-layer copy
         q = qkv[:, :q_size].reshape(n, self.num_heads, self.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].reshape(n, self.num_kv_heads, self.head_dim)
-        v = qkv[:, q_size + kv_size :].reshape(n, self.num_kv_heads, self.head_dim)
-        # q, k, v stay strided views of qkv: the kernels take any row stride, so no per-layer copies
-        kernels.rotary_store_kv(q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_only:
             out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                                  self.scale)
@@ -132,3 +134,10 @@ class LlamaCore:
             out = kernels.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                                   meta.context_lens, self.scale)
         return out.reshape(n, q_size)
+
+    def _attention_cpu(self, qkv: Tensor, cpu: decode_cpu.DecodeContext, k_cache: Tensor,
+                       v_cache: Tensor) -> Tensor:
+        """The CPU decode step's rotary, KV write and attention, with the window's shared work done once."""
+        n, q_size = qkv.size(0), self.num_heads * self.head_dim
+        q = decode_cpu.rotary_store_kv_cpu(qkv, self.num_heads, self.num_kv_heads, cpu, k_cache, v_cache)
+        return decode_cpu.decode_attention_cpu(q, k_cache, v_cache, cpu).reshape(n, q_size)
