@@ -78,7 +78,8 @@ def fused_probe(dtype) -> None:
 
 def gemv_probe(dtype) -> None:
     """Batch 1: each linear role as the skinny tensor-core GEMM (its default config; for q/k/v followed by the
-    rotary + KV-write launch) against the one-row GEMV with the rotation and the write fused (config sweep)."""
+    rotary + KV-write launch) against the one-row GEMV with the rotation and the write fused (config sweep of
+    (BLOCK_N, num_warps, programmatic dependent launch))."""
     from chattts_velocity.kernels._triton.gemv import default_config, gemv_triton
     from chattts_velocity.kernels._triton.linear import fused_linear_triton
 
@@ -107,17 +108,18 @@ def gemv_probe(dtype) -> None:
 
         def gemv(cfg):
             return [gemv_triton(x, w, nw if norm else None, 1e-6, res, gated,
-                                (pos, cos_sin, kc, vc, slots, 12, 12) if rope else None, config=cfg)
+                                (pos, cos_sin, kc, vc, slots, 12, 12) if rope else None, config=cfg[:2],
+                                pdl=cfg[2])
                     for w, (kc, vc) in zip(ws, caches, strict=True)]
 
         base = graph_time(skinny) / 20 * 1e3
         ref = _unfused(x, ws[-1], norm_weight=nw if norm else None, residual=res, gated=gated)
         ref = ref[0] if isinstance(ref, tuple) else ref
         times = {}
-        for bn in (2, 4, 8, 16):
-            for bk in (128, 256, 512):
-                for warps in (1, 2, 4, 8):
-                    cfg = (bn, bk, warps)
+        for bn in (1, 2, 4, 8):
+            for warps in (1, 2, 4, 8):
+                for pdl in (False, True):
+                    cfg = (bn, warps, pdl)
                     try:
                         got = gemv(cfg)[-1]
                         got = got[0] if isinstance(got, tuple) else got
@@ -130,7 +132,7 @@ def gemv_probe(dtype) -> None:
                     except Exception as e:  # noqa: BLE001 (a config that does not compile)
                         print("  fail", name, cfg, type(e).__name__, str(e)[:200])
         best = sorted((v, c) for c, v in times.items())[:4]
-        dflt = default_config(n // 2 if gated else n, k, gated, rope, dtype, True)
+        dflt = (*default_config(n // 2 if gated else n, k, gated, rope, True), True)
         print(f"{name:22s} floor {floor_us:5.2f} skinny {base:6.2f}  default {dflt} {times.get(dflt, float('nan')):6.2f}"
               "  best: " + ", ".join(f"{c} {v:.2f}" for v, c in best), flush=True)
 
@@ -187,7 +189,7 @@ def attention_sweep(dtype) -> None:
                             dec._decode_kernel[(batch, heads, 1)](
                                 q, kc, vc, table, lens, out, out, out, 0.125 * dec._LOG2E, q.stride(0),
                                 q.stride(1), table.stride(0), nblk * bs, heads, 1, BLOCK_SIZE=bs, HEAD_DIM=dim,
-                                BLOCK_N=block_n, SPLIT=False, num_warps=warps, num_stages=stages)
+                                BLOCK_N=block_n, SPLIT=False, PDL=False, num_warps=warps, num_stages=stages)
                     try:
                         us = graph_time(fn) / 20 * 1e3
                     except Exception as e:  # noqa: BLE001

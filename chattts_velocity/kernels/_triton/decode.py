@@ -11,8 +11,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._launch import sm_count
+from ._launch import pdl_launch, sm_count
 from .paged import kv_offsets
 
 _LOG2E = 1.4426950408889634
@@ -26,7 +27,10 @@ _PROGRAMS_PER_SM = 2
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, max_ptr,
                    sum_ptr, qk_scale, q_stride_seq, q_stride_head, bt_stride, split_len, num_kv_heads, group,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched early (programmatic dependent launch): start the next kernel, wait for the last one
+        gdc_launch_dependents()
+        gdc_wait()
     seq, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = seq * tl.num_programs(1) + head  # index of (seq, head) in out
     start = split * split_len
@@ -66,7 +70,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 
 @triton.jit
 def _merge_splits_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, context_lens_ptr, num_splits, num_heads, split_len,
-                         HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS)
     # only the splits that hold context tokens: the rest of the grid sized for the table width was empty
@@ -116,9 +123,11 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     _decode_kernel[(batch, num_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, maxes, sums, scale * _LOG2E, q.stride(0),
         q.stride(1), block_tables.stride(0), split_len, num_kv_heads, num_heads // num_kv_heads,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, num_warps=num_warps)
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, num_warps=num_warps,
+        **pdl_launch(q.device))
     if split:
         _merge_splits_kernel[(batch * num_heads,)](partial, maxes, sums, out, context_lens, num_splits, num_heads,
                                                    split_len, HEAD_DIM=head_dim,
-                                                   SPLITS=triton.next_power_of_2(num_splits), num_warps=1)
+                                                   SPLITS=triton.next_power_of_2(num_splits), num_warps=1,
+                                                   **pdl_launch(q.device))
     return out

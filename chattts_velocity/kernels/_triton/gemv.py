@@ -16,31 +16,19 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-
-@triton.jit
-def _inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
-             HAS_RESIDUAL: tl.constexpr, STORE_RES):
-    """1 / rms of the row x (+ residual, rounded to x's dtype); ``STORE_RES``: write that sum to res_out."""
-    squares = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mask = ks < K
-        x = tl.load(x_ptr + ks, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(res_ptr + ks, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-            tl.store(res_out_ptr + ks, x, mask=mask & STORE_RES)
-        x = x.to(tl.float32)
-        squares += x * x
-    return tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+from ._launch import pdl_launch
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, N, second_offset, eps,
                  pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                 K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-                 ROPE: tl.constexpr, Q_COLS: tl.constexpr, KV_COLS: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 K: tl.constexpr, K_PAD: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 GATED: tl.constexpr, ROPE: tl.constexpr, Q_COLS: tl.constexpr, KV_COLS: tl.constexpr,
+                 HALF: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()  # the next kernel may start and fetch its weights now
     pid = tl.program_id(0)
     j = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROPE:
@@ -51,32 +39,35 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, N, secon
     else:
         cols = j
         col_mask = j < N
+    ks = tl.arange(0, K_PAD)
+    k_mask = ks < K
+    # the program's whole weight rows first: nothing before this kernel writes them, so under programmatic
+    # dependent launch they stream in while the previous kernel is still running
+    w_offs = cols[:, None] * K + ks[None, :]
+    w_mask = col_mask[:, None] & k_mask[None, :]
+    w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
+    if GATED or ROPE:  # the up projection's rows (GATED) or the heads' second halves (ROPE)
+        w2 = tl.load(w_ptr + second_offset + w_offs, mask=w_mask, other=0.0)
+    if PDL:
+        gdc_wait()  # the input row (and every buffer written below) belongs to the kernels before this one
+    h = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
+    if HAS_RESIDUAL:
+        h = (h.to(tl.float32) + tl.load(res_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)).to(h.dtype)
+        tl.store(res_out_ptr + ks, h, mask=k_mask & (pid == 0))
     if HAS_NORM:
-        inv_rms = _inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K, BLOCK_K, HAS_RESIDUAL, pid == 0)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the up projection (GATED) or the second halves (ROPE)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        h = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
-        if HAS_RESIDUAL:
-            h = (h.to(tl.float32) + tl.load(res_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)).to(h.dtype)
-        if HAS_NORM:
-            nw = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0)
-            h = ((h.to(tl.float32) * inv_rms).to(h.dtype).to(tl.float32) * nw.to(tl.float32)).to(nw.dtype)
-        h = h.to(tl.float32)[None, :]
-        w_offs = cols[:, None] * K + ks[None, :]
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        acc += tl.load(w_ptr + w_offs, mask=w_mask, other=0.0).to(tl.float32) * h
-        if GATED or ROPE:
-            acc2 += tl.load(w_ptr + second_offset + w_offs, mask=w_mask, other=0.0).to(tl.float32) * h
+        hf = h.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
+        nw = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0)
+        # rounded to the dtype before the weight multiply, as the unfused norm does
+        h = ((hf * inv_rms).to(h.dtype).to(tl.float32) * nw.to(tl.float32)).to(nw.dtype)
+    h = h.to(tl.float32)[None, :]
     out_ty = y_ptr.dtype.element_ty
-    y1 = tl.sum(acc, axis=1).to(out_ty).to(tl.float32)
+    y1 = tl.sum(w.to(tl.float32) * h, axis=1).to(out_ty).to(tl.float32)
     if GATED:
-        up = tl.sum(acc2, axis=1).to(out_ty).to(tl.float32)
+        up = tl.sum(w2.to(tl.float32) * h, axis=1).to(out_ty).to(tl.float32)
         tl.store(y_ptr + cols, (y1 * tl.sigmoid(y1) * up).to(out_ty), mask=col_mask)
     elif ROPE:
-        y2 = tl.sum(acc2, axis=1).to(out_ty).to(tl.float32)
+        y2 = tl.sum(w2.to(tl.float32) * h, axis=1).to(out_ty).to(tl.float32)
         pos = tl.load(pos_ptr).to(tl.int64)
         c = j % HALF
         cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + c)
@@ -102,15 +93,15 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, N, secon
 
 def gemv_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: float, residual: Tensor | None,
                 gated: bool, rope: tuple | None = None, *,
-                config: tuple[int, int, int] | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                config: tuple[int, int] | None = None, pdl: bool | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """x [1, K] (see ``fused_linear``). ``rope`` = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
     num_heads, num_kv_heads): weight is the stacked q/k/v projection; q and k come back rotated and k, v are
-    written to the cache. ``config`` = (BLOCK_N, BLOCK_K, num_warps) overrides the defaults (for tuning)."""
+    written to the cache. ``config`` = (BLOCK_N, num_warps) and ``pdl`` override the defaults (for tuning)."""
     k = x.shape[1]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else x
-    block_n, block_k, num_warps = config or default_config(n, k, gated, rope is not None, x.dtype, x.is_cuda)
+    block_n, num_warps = config or default_config(n, k, gated, rope is not None, x.is_cuda)
     if rope is not None:
         positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads = rope
         half = cos_sin.shape[1] // 2
@@ -122,16 +113,16 @@ def gemv_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: floa
     _gemv_kernel[(triton.cdiv(programs, block_n),)](
         x, residual if residual is not None else x, res_out, norm_weight if norm_weight is not None else x,
         weight, y, n, second, eps, positions, cos_sin, slots, k_cache, v_cache, K=k,
-        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated, ROPE=rope is not None,
-        Q_COLS=q_cols, KV_COLS=kv_cols, HALF=half, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        K_PAD=triton.next_power_of_2(k), HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        GATED=gated, ROPE=rope is not None, Q_COLS=q_cols, KV_COLS=kv_cols, HALF=half, BLOCK_N=block_n,
+        num_warps=num_warps, **pdl_launch(x.device if pdl is None else pdl))
     return y if residual is None else (y, res_out)
 
 
-def default_config(n: int, k: int, gated: bool, rope: bool, dtype: torch.dtype,
-                   cuda: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): a few hundred programs for every projection of the model."""
+def default_config(n: int, k: int, gated: bool, rope: bool, cuda: bool) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): a few hundred programs for every projection of the model."""
     if not cuda:  # the interpreter: small tiles so tiny test shapes still cross several of them
-        return 4, 16, 1
+        return 4, 1
     if gated or rope:
-        return 8, 256, 4
-    return (4, 512, 4) if k > 1024 else (4, 256, 4)
+        return 2, 1
+    return (2, 8) if k > 1024 else (2, 1)
