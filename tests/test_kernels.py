@@ -152,20 +152,12 @@ def _check_rotary_store_kv(dtype: torch.dtype, device: str, n: int, heads: tuple
 
 
 def _check_decode(dtype: torch.dtype, device: str, context_lens: list[int], heads: tuple[int, int],
-                  head_dim: int, block_size: int, num_splits: int | None, strided: bool,
-                  counters: bool = False) -> None:
-    """``counters``: the splits merge in the decode launch (twice: the counters must come back zeroed)."""
+                  head_dim: int, block_size: int, num_splits: int | None, strided: bool) -> None:
     k_cache, v_cache, table = _paged_cache(context_lens, heads[1], head_dim, block_size, dtype, device)
     q = _heads(len(context_lens), heads[0], head_dim, dtype, device, strided)
     lens, scale = _int32(context_lens, device), head_dim**-0.5
-    expected = K.paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale)
-    work = torch.zeros(len(context_lens) * heads[0] + 3, dtype=torch.int32, device=device) if counters else None
-    for _ in range(2 if counters else 1):
-        out = K.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, num_splits=num_splits,
-                                       counters=work)
-        _assert_close(out, expected, dtype)
-        if counters:
-            assert not work.any(), f"counters left at {work.tolist()}"
+    out = K.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, num_splits=num_splits)
+    _assert_close(out, K.paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale), dtype)
 
 
 def _check_prefill(dtype: torch.dtype, device: str, seqs: list[tuple[int, int]], heads: tuple[int, int],
@@ -294,10 +286,9 @@ def _rotary_store(name: str, n: int, heads: tuple[int, int], head_dim: int, bloc
 
 
 def _decode(name: str, context_lens: list[int], heads: tuple[int, int], head_dim: int, block_size: int,
-            num_splits: int | None = None, strided: bool = False, counters: bool = False) -> tuple[str, str, dict]:
+            num_splits: int | None = None, strided: bool = False) -> tuple[str, str, dict]:
     return "paged_decode_attention", name, dict(context_lens=context_lens, heads=heads, head_dim=head_dim,
-                                                block_size=block_size, num_splits=num_splits, strided=strided,
-                                                counters=counters)
+                                                block_size=block_size, num_splits=num_splits, strided=strided)
 
 
 def _prefill(name: str, seqs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int,
@@ -336,8 +327,6 @@ INTERPRETER_CASES = _cases(("fp32", "fp16"), [
     _decode("odd_lens_bs4", [1, 17, 50], (2, 2), 16, 4),
     _decode("gqa_3_splits_strided", [33, 5], (4, 2), 32, 16, num_splits=3, strided=True),
     _decode("8_splits_with_empty_context", [70, 1, 0], (3, 1), 16, 4, num_splits=8),
-    _decode("merged_in_launch_8_splits_empty_context", [70, 1, 0], (3, 1), 16, 4, num_splits=8, counters=True),
-    _decode("merged_in_launch_auto_splits_strided", [33, 5], (4, 2), 32, 16, strided=True, counters=True),
     _prefill("mixed_decode_full_and_prefix", [(1, 1), (17, 17), (5, 40)], (2, 2), 16, 4),
     _prefill("gqa_prefix_longer_than_q_strided", [(33, 33), (1, 20), (3, 70)], (4, 2), 32, 16, strided=True),
     _prefill("one_seq_three_q_tiles", [(40, 40)], (1, 1), 16, 4),
@@ -375,8 +364,6 @@ GPU_CASES = _cases(("fp32", "fp16", "bf16"), [
     _rotary_store("n2048_strided", 2048, (12, 12), 64, 16, strided=True),
     _rotary_store("n17_gqa_int32", 17, (12, 4), 64, 16, index_dtype=torch.int32),
     _decode("b1_ctx1999_auto_splits_strided", [1999], (12, 12), 64, 16, strided=True),
-    _decode("b1_ctx286_merged_in_launch", [286], (12, 12), 64, 16, counters=True),
-    _decode("b7_mixed_lens_merged_in_launch", _LENS, (12, 12), 64, 16, counters=True),
     _decode("b7_mixed_lens_auto_splits", _LENS, (12, 12), 64, 16),
     _decode("b7_mixed_lens_no_split", _LENS, (12, 12), 64, 16, num_splits=1),
     _decode("b256_random_lens", _RANDOM_LENS, (12, 12), 64, 16),

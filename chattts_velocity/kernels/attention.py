@@ -23,15 +23,13 @@ from .kv_cache import check_kv_cache
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                           context_lens: Tensor, scale: float, *, num_splits: int | None = None,
-                           counters: Tensor | None = None) -> Tensor:
+                           context_lens: Tensor, scale: float, *, num_splits: int | None = None) -> Tensor:
     """q [B, Hq, D] (each sequence's newest token, its K/V already cached) -> out [B, Hq, D] in q's dtype.
 
     Sequence b attends to its first context_lens[b] cached tokens (a length of 0 gives zeros; it must not
     exceed block_tables.shape[1] * block_size). ``num_splits`` splits the contexts into that many ranges merged
     afterwards (flash-decoding); None picks it from the device's SM count. Query head h reads KV head
-    h // (Hq // Hk). ``counters``: a workspace of int32 zeros (B * Hq at least, on q's device, left zeroed) with
-    which a split run merges its splits in the same launch; calls that share one must not run concurrently.
+    h // (Hq // Hk).
     """
     _check_common(q, k_cache, v_cache, block_tables, context_lens)
     check(block_tables.shape[0] == q.shape[0] == context_lens.shape[0],
@@ -39,15 +37,11 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
           f"context_lens {context_lens.shape[0]}")
     check(num_splits is None or (isinstance(num_splits, int) and num_splits >= 1),
           f"num_splits must be None or an int >= 1, got {num_splits!r}")
-    if counters is not None:
-        check_tensor("counters", counters, "[C]", 1, (torch.int32,))
-        check_contiguous("counters", counters)
-        check_same_device(q=q, counters=counters)
     if use_triton(q):
         from ._triton.decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                             num_splits, counters)
+                                             num_splits)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 

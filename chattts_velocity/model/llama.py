@@ -17,10 +17,6 @@ from .. import kernels
 from ..kernels import decode_cpu
 from .stacked import stacked_weights
 
-SPLIT_COUNTERS = 4096
-"""(sequence, head) pairs whose decode attention splits merge in the same launch; splits are only used while the
-pairs are too few to fill the GPU (a few hundred), so this is ample."""
-
 
 @dataclass
 class AttentionMetadata:
@@ -78,8 +74,6 @@ class LlamaCore:
         theta = cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta
         self.cos_sin = kernels.rotary_cos_sin_cache(self.head_dim, cfg.max_position_embeddings, theta, device)
         self.triton = kernels.use_triton(self.norm)
-        # decode attention's split counters (it merges its splits in one launch): the layers run one at a time
-        self.split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
         self.eps_tensor = torch.tensor(self.eps, dtype=torch.float32)  # the CPU decode step's
 
     @property
@@ -135,7 +129,7 @@ class LlamaCore:
         q = qkv[:, :q_size].reshape(n, self.num_heads, self.head_dim)
         if meta.decode_only:
             out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                 self.scale, counters=self.split_counters)
+                                                 self.scale)
         else:
             out = kernels.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                                   meta.context_lens, self.scale)

@@ -1,8 +1,7 @@
 """Paged decode attention: one program per (sequence, q head, context split), online softmax over KV tiles.
 
 With several splits (flash-decoding) each program leaves an unnormalised partial result with its running max
-and sum, and the last program of each (sequence, head) to finish merges them (given a counter per pair; a
-second kernel merges otherwise). A batch with fewer (sequence, head) pairs than SMs needs that
+and sum, and a second kernel merges the splits. A batch with fewer (sequence, head) pairs than SMs needs that
 to use the whole GPU: batch 1 x 12 heads alone would keep 12 of an H100's 132 SMs busy.
 """
 
@@ -27,9 +26,8 @@ _PROGRAMS_PER_SM = 2
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, max_ptr,
                    sum_ptr, qk_scale, q_stride_seq, q_stride_head, bt_stride, split_len, num_kv_heads, group,
-                   final_ptr, counter_ptr, num_heads, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr, SPLITS: tl.constexpr,
-                   PDL: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched early (programmatic dependent launch): start the next kernel, wait for the last one
         gdc_launch_dependents()
         gdc_wait()
@@ -65,41 +63,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         tl.store(max_ptr + part, m_i)
         tl.store(sum_ptr + part, l_i)
         tl.store(out_ptr + part.to(tl.int64) * HEAD_DIM + dims, acc)
-        if MERGE:
-            # the row's last program to finish merges its splits (no merge launch): every thread's partial
-            # stores are fenced before the counter's release, and the merging program reads them from L2
-            tl.debug_barrier()
-            finished = tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu")
-            if finished == tl.num_programs(2) - 1:
-                _merge_row(out_ptr, max_ptr, sum_ptr, final_ptr, context_lens_ptr, row, tl.num_programs(2),
-                           num_heads, split_len, HEAD_DIM, SPLITS)
-                tl.atomic_xchg(counter_ptr + row, 0)  # ready for the next call
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)  # an empty context gives zeros, not NaN
         tl.store(out_ptr + row.to(tl.int64) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _merge_row(acc_ptr, max_ptr, sum_ptr, out_ptr, context_lens_ptr, row, num_splits, num_heads, split_len,
-               HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
-    """out[row] from the row's split partials (unnormalised sums, running maxes and sums)."""
-    row = row.to(tl.int64)
-    splits = tl.arange(0, SPLITS)
-    # only the splits that hold context tokens: the rest of the grid sized for the table width was empty
-    live = tl.cdiv(tl.load(context_lens_ptr + row // num_heads), split_len)
-    valid = splits < tl.minimum(live, num_splits)
-    maxes = tl.load(max_ptr + row * num_splits + splits, mask=valid, other=float("-inf"),
-                    cache_modifier=".cg")  # [SPLITS]
-    sums = tl.load(sum_ptr + row * num_splits + splits, mask=valid, other=0.0, cache_modifier=".cg")
-    top = tl.max(maxes, axis=0)
-    weights = tl.exp2(maxes - tl.where(top == float("-inf"), 0.0, top))  # empty splits (max -inf) weigh 0
-    dims = tl.arange(0, HEAD_DIM)
-    offs = (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :]  # [SPLITS, D]
-    parts = tl.load(acc_ptr + offs, mask=valid[:, None], other=0.0, cache_modifier=".cg")
-    acc = tl.sum(parts * weights[:, None], axis=0)
-    total = tl.sum(sums * weights, axis=0)
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -108,16 +74,25 @@ def _merge_splits_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, context_lens_ptr, n
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    _merge_row(acc_ptr, max_ptr, sum_ptr, out_ptr, context_lens_ptr, tl.program_id(0), num_splits, num_heads,
-               split_len, HEAD_DIM, SPLITS)
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS)
+    # only the splits that hold context tokens: the rest of the grid sized for the table width was empty
+    live = tl.cdiv(tl.load(context_lens_ptr + row // num_heads), split_len)
+    valid = splits < tl.minimum(live, num_splits)
+    maxes = tl.load(max_ptr + row * num_splits + splits, mask=valid, other=float("-inf"))  # [SPLITS]
+    sums = tl.load(sum_ptr + row * num_splits + splits, mask=valid, other=0.0)
+    top = tl.max(maxes, axis=0)
+    weights = tl.exp2(maxes - tl.where(top == float("-inf"), 0.0, top))  # empty splits (max -inf) weigh 0
+    dims = tl.arange(0, HEAD_DIM)
+    offs = (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :]  # [SPLITS, D]
+    acc = tl.sum(tl.load(acc_ptr + offs, mask=valid[:, None], other=0.0) * weights[:, None], axis=0)
+    total = tl.sum(sums * weights, axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                                  context_lens: Tensor, scale: float, num_splits: int | None,
-                                  counters: Tensor | None = None) -> Tensor:
-    """``counters``: int32 zeros, one per (sequence, head) at least, that a split run may use to merge its
-    splits in the same launch (the last program of a row merges it, and leaves its counter at zero); without
-    them (or too few) a second kernel merges. Calls that share counters must not run concurrently."""
+                                  context_lens: Tensor, scale: float, num_splits: int | None) -> Tensor:
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     # The block table's width bounds every context without reading context_lens back from the GPU.
@@ -145,16 +120,14 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
         sums = torch.empty_like(maxes)
     else:
         partial, maxes, sums = out, out, out  # maxes and sums are unused without splits
-    merge = split and counters is not None and counters.numel() >= batch * num_heads
     # programmatic dependent launch only in a one-row step, whose linears take part too (at batch 16, between
     # the skinny GEMMs, the early launches cost 14% a step on an H100)
     pdl = pdl_launch(q.device if batch == 1 else False)
     _decode_kernel[(batch, num_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, maxes, sums, scale * _LOG2E, q.stride(0),
-        q.stride(1), block_tables.stride(0), split_len, num_kv_heads, num_heads // num_kv_heads, out,
-        counters if merge else out, num_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n,
-        SPLIT=split, MERGE=merge, SPLITS=triton.next_power_of_2(num_splits), num_warps=num_warps, **pdl)
-    if split and not merge:
+        q.stride(1), block_tables.stride(0), split_len, num_kv_heads, num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, **pdl)
+    if split:
         _merge_splits_kernel[(batch * num_heads,)](partial, maxes, sums, out, context_lens, num_splits, num_heads,
                                                    split_len, HEAD_DIM=head_dim,
                                                    SPLITS=triton.next_power_of_2(num_splits), num_warps=1,
