@@ -569,6 +569,10 @@ _VALID = {  # op -> valid arguments (q heads 4 over 2 KV heads of 16), so each r
                                     v_cache=_cache(), slot_mapping=_LONG2),
     "fused_linear": lambda: dict(x=torch.randn(3, 40), weight=torch.randn(16, 40), norm_weight=torch.ones(40),
                                  residual=torch.randn(3, 40), gated=True),
+    "fused_qkv_rotary_store": lambda: dict(x=torch.randn(2, 40), weight=torch.randn(128, 40),
+                                           norm_weight=torch.ones(40), eps=1e-6, residual=torch.randn(2, 40),
+                                           positions=_LONG2, cos_sin_cache=torch.zeros(8, 16), k_cache=_cache(),
+                                           v_cache=_cache(), slot_mapping=_LONG2, num_heads=4, num_kv_heads=2),
     "paged_decode_attention": lambda: dict(q=torch.randn(2, 4, 16), k_cache=_cache(), v_cache=_cache(),
                                            block_tables=_int32([[0, 1], [2, 3]], "cpu"),
                                            context_lens=_int32([5, 8], "cpu"), scale=0.25),
@@ -578,6 +582,10 @@ _VALID = {  # op -> valid arguments (q heads 4 over 2 KV heads of 16), so each r
                                             context_lens=_int32([5, 8], "cpu"), scale=0.25),
 }
 BAD_ARGS = {  # test id -> (op, overrides, expected message)
+    "qkv_rows_not_the_heads": ("fused_qkv_rotary_store", dict(weight=torch.randn(96, 40)),
+                               r"weight has 96 rows, not \(num_heads \+ 2 num_kv_heads\) \* head_dim = 128"),
+    "qkv_cache_heads": ("fused_qkv_rotary_store", dict(num_heads=2, num_kv_heads=3, weight=torch.randn(128, 40)),
+                        r"k heads/dim \(3, 16\) != cache heads/dim \(2, 16\)"),
     "rms_norm_3d_x": ("rms_norm", dict(x=torch.zeros(2, 3, 40)), r"x must be \[N, H\]"),
     "rms_norm_int_x": ("rms_norm", dict(x=torch.zeros(3, 40, dtype=torch.int32)),
                        "x must have dtype float32, float16, bfloat16"),

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# On the GPU machine: the speech server's first audio at 1 and 8 streams under different GIL switch intervals
+# (sys.setswitchinterval, seconds; "default" = Python's 0.005). A chunk crosses three threads on its way out
+# (engine thread -> request thread -> event loop), and each hand-off may wait for the holder's interval.
+# Usage: bash benchmarks/serve_switch.sh default 0.0005
+set -u
+PORT=${PORT:-8012}
+for si in "$@"; do
+    python3 - serve --dummy --port "$PORT" --max-concurrent 256 --max-new-token 500 --log-level warning \
+        > "/tmp/serve_switch_$si.log" 2>&1 <<PY &
+import sys
+if "$si" != "default":
+    sys.setswitchinterval(float("$si"))
+from chattts_velocity.cli import main
+sys.exit(main(sys.argv[1:]))
+PY
+    server=$!
+    for _ in $(seq 1 200); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
+    echo "== switch interval $si"
+    chattts-velocity bench serve --url "http://127.0.0.1:$PORT" --streams 1 8 --requests-per-stream 4 | grep '^|'
+    kill -TERM $server; wait $server
+done
