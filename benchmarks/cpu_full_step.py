@@ -3,6 +3,7 @@
 ([N, K], multiplied as ``h @ W.T``) against the same weight stored transposed ([K, N], ``h @ Wt``).
 
     python benchmarks/cpu_full_step.py --batch 8
+    python benchmarks/cpu_full_step.py --batch 8 --size tiny --top 15   (the tiny model: per-op overhead)
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from chattts_velocity.bench.runner import load_model
 from chattts_velocity.engine import EngineConfig, LLMEngine, Prompt, SamplingParams
-from chattts_velocity.model.loader import ModelLoader
 
 SHAPES = {"qkv": (2304, 768), "o": (768, 768), "gate/up": (6144, 768), "down": (768, 3072)}
 
@@ -31,10 +32,12 @@ def per_call_ms(f, n: int = 30) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--size", choices=("full", "tiny"), default="full")
+    ap.add_argument("--top", type=int, default=5, help="ops listed, by self time")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model = ModelLoader(torch.device("cpu"), "dummy").load(None)
-    prompt = Prompt(torch.randint(0, 20000, (36, 1)).expand(-1, 4), torch.ones(36, dtype=torch.bool))
+    model = load_model(args.size, torch.device("cpu"), seed=0)
+    prompt = Prompt(torch.randint(0, min(model.config.num_text_tokens, 20000), (36, 1)).expand(-1, 4), torch.ones(36, dtype=torch.bool))
     engine = LLMEngine.from_model(model, EngineConfig(dtype="float32", max_num_seqs=args.batch, kv_cache_gib=0.5),
                                   "cpu")
     for i in range(args.batch):
@@ -49,9 +52,11 @@ def main() -> None:
     total = sum(e.self_cpu_time_total for e in events)
     print(f"batch {args.batch}: a 32-step window took {took:.2f} s under the profiler ({1e3 * took / 32:.1f} ms "
           "a step)")
-    for e in events[:5]:
+    for e in events[: args.top]:
         print(f"  {e.key:24} {100 * e.self_cpu_time_total / total:5.1f}%  {e.count / 32:6.1f} calls a step  "
               f"{e.self_cpu_time_total / e.count / 1e3:.3f} ms each")
+    if args.size == "tiny":
+        return
     print("GEMMs alone, ms per call: h @ W.T (as stored) against h @ Wt (stored transposed)")
     for m in sorted({1, args.batch}):
         for name, (n, k) in SHAPES.items():

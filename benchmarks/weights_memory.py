@@ -1,14 +1,19 @@
-"""Weights held once: load the full-size model (random weights) on the CPU in float32 and report the process's
-resident memory and the distinct bytes behind the engine core's weights and the transformers layers' weights
-(the reference path's), which share storage where dtype and device agree.
+"""Weights held once: load the full-size model (random weights) on the CPU and report the process's resident
+memory and the distinct bytes behind the engine core's weights and the transformers layers' weights (the
+reference path's). They share storage where dtype and device agree (the engine in float32 on the CPU); where
+they cannot (``--engine-dtype float16``, as on a GPU), the transformers weights are let go after the load and
+read again on the reference path's first use.
 
     python benchmarks/weights_memory.py
+    python benchmarks/weights_memory.py --engine-dtype float16
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import resource
+import time
 
 from chattts_velocity import Chat
 
@@ -28,16 +33,26 @@ def resident_mib() -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    args = ap.parse_args()
     chat = Chat()
-    chat.load(load_format="dummy", device="cpu", num_kv_blocks=16)
+    chat.load(load_format="dummy", device="cpu", num_kv_blocks=16, engine_dtype=args.engine_dtype)
     gc.collect()
     core = chat.engine.engine.worker.core
     core_tensors = [t for layer in core.layers for t in vars(layer).values()] + [core.norm]
     hf_tensors = list(chat.model.gpt.llama.parameters())
     mib = 2**20
-    print(f"resident {resident_mib():.0f} MiB; engine core "
+    print(f"engine {args.engine_dtype}: resident {resident_mib():.0f} MiB; engine core "
           f"{distinct_bytes(core_tensors) / mib:.0f} MiB, transformers layers {distinct_bytes(hf_tensors) / mib:.0f} "
           f"MiB, both together {distinct_bytes(core_tensors + hf_tensors) / mib:.0f} MiB")
+    if chat.model.gpt.llama_released:
+        start = time.perf_counter()
+        chat.model.gpt.ensure_llama()  # what the first use_velocity=False call does
+        gc.collect()
+        print(f"  the reference weights read again in {time.perf_counter() - start:.1f} s: resident "
+              f"{resident_mib():.0f} MiB, transformers layers "
+              f"{distinct_bytes(chat.model.gpt.llama.parameters()) / mib:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -320,6 +320,11 @@ def _build(model, device: torch.device, engine_config, stream_config: StreamConf
 
     audio = AudioDecoder(model.dvae, model.decoder, model.vocos, device)
     engine = AsyncLLMEngine(LLMEngine.from_model(model, engine_config, device))
+    if not engine.engine.worker.core.shares_weights(model.gpt.llama):
+        # the engine holds its own copy (another dtype or device): the reference path's is read again from
+        # the checkpoint on its first use
+        freed = model.gpt.release_llama()
+        logger.info("reference Llama weights released until first use (%.0f MiB)", freed / 2**20)
     return _Loaded(model=model, device=device, audio=audio, engine=engine,
                    velocity=VelocityPath(engine, model, audio, stream_config),
                    reference=ReferencePath(model, audio, device))

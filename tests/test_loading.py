@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import soundfile as sf
 import torch
@@ -208,3 +209,64 @@ def test_the_engine_and_the_reference_model_hold_the_fused_weights_once(chat):
         assert mlp(x).shape == x.shape
     finally:
         mlp.to(torch.float32)
+
+
+def _reference_wav(chat, text="hello world"):
+    torch.manual_seed(0)  # the speaker
+    params = chat.InferCodeParams(spk_emb=chat.sample_random_speaker(), manual_seed=3, max_new_token=24)
+    return chat.infer([text], params_infer_code=params, skip_refine_text=True, use_velocity=False)[0]
+
+
+def test_an_engine_with_its_own_copy_lets_the_reference_weights_go_until_first_use(tiny_dir, tmp_path):
+    """With the engine in float16 its core cannot share the float32 transformers weights: those are freed after
+    the load and read again from the checkpoint by the first reference call, which then gives exactly the audio
+    of a model that never let them go (the float32 engine shares them, so nothing is released there)."""
+    from chattts_velocity import Chat
+
+    ckpt = copy_ckpt(tiny_dir, tmp_path / "ckpt")
+    kept, released = Chat(), Chat()
+    kept.load(source="custom", custom_path=ckpt, device="cpu", num_kv_blocks=32)
+    released.load(source="custom", custom_path=ckpt, device="cpu", num_kv_blocks=32, engine_dtype="float16")
+    try:
+        assert not kept.model.gpt.llama_released
+        gpt = released.model.gpt
+        assert gpt.llama_released
+        assert all(p.numel() == 0 for p in gpt.llama.parameters())
+        wav = _reference_wav(released)
+        assert not gpt.llama_released
+        for (name, mine), theirs in zip(gpt.llama.named_parameters(), kept.model.gpt.llama.parameters(),
+                                        strict=True):
+            assert torch.equal(mine, theirs), name
+        np.testing.assert_array_equal(wav, _reference_wav(kept))
+        # the velocity path never needed them
+        assert released.infer(["hello"], skip_refine_text=True)[0].size > 0
+    finally:
+        kept.unload()
+        released.unload()
+
+
+def test_re_reading_released_weights_from_a_vanished_checkpoint_says_so(tiny_dir, tmp_path):
+    from chattts_velocity import Chat
+
+    ckpt = copy_ckpt(tiny_dir, tmp_path / "ckpt")
+    chat = Chat()
+    chat.load(source="custom", custom_path=ckpt, device="cpu", num_kv_blocks=32, engine_dtype="float16")
+    try:
+        shutil.rmtree(ckpt)
+        with pytest.raises(RuntimeError, match="re-reading the reference model's weights"):
+            _reference_wav(chat)
+    finally:
+        chat.unload()
+
+
+def test_a_dummy_model_s_llama_weights_are_generated_again_the_same():
+    import tempfile
+
+    from chattts_velocity.model.checkpoint import TINY, build_modules, random_llama_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mods = build_modules(TINY, 5, tokenizer_dir=tmp)
+    again = random_llama_state(mods.config, 5)
+    original = mods.gpt.llama.state_dict()
+    assert again.keys() == original.keys()
+    assert all(torch.equal(again[k], original[k]) for k in original)

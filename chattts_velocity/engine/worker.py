@@ -25,6 +25,7 @@ class Worker:
     def __init__(self, gpt, config: EngineConfig, spk_emb_id: int, text_eos_id: int, device: torch.device):
         gcfg = gpt.config
         self.device = device
+        gpt.ensure_llama()  # (an engine built again over a model whose reference weights were let go)
         self.core = LlamaCore(gpt.llama, config.torch_dtype, device)
         head_dim = gcfg.hidden_size // gcfg.num_attention_heads
         self.block_shape = (config.block_size, gcfg.num_key_value_heads, head_dim)

@@ -90,7 +90,7 @@ def build_modules(size: CheckpointSize, seed: int, tokenizer_dir: str) -> Random
     fields = {k: getattr(size.gpt, k) for k in size.gpt.__dataclass_fields__}
     config = GPTConfig(**{**fields, "num_text_tokens": n_text})
     gpt = ChatGPT(config)
-    randomize_(gpt.llama, gen, scale=1.0)
+    randomize_(gpt.llama, gen, scale=1.0)  # the generator's first draws: random_llama_state repeats them
     randomize_(gpt.embed, gen, scale=3.0)
     with torch.no_grad():  # a louder EOS row: random models then end sentences instead of running to the cap
         for head in gpt.embed.head_code:
@@ -104,6 +104,17 @@ def build_modules(size: CheckpointSize, seed: int, tokenizer_dir: str) -> Random
     h = config.hidden_size
     stats = SpeakerStats((0.5 + torch.rand(h, generator=gen)).half(), (0.2 * torch.randn(h, generator=gen)).half())
     return RandomModules(config, gpt, dvae, decoder, vocos, Tokenizer(tokenizer_dir), stats)
+
+
+def random_llama_state(config: GPTConfig, seed: int) -> dict[str, torch.Tensor]:
+    """``build_modules``' Llama weights for ``config`` and ``seed`` again, without the rest (a dummy model's
+    ``ChatGPT.llama_source``)."""
+    from transformers import LlamaModel
+
+    llama = LlamaModel(config.to_llama_config())
+    del llama.embed_tokens
+    randomize_(llama, torch.Generator().manual_seed(seed), scale=1.0)
+    return llama.state_dict()
 
 
 def _save(state: dict[str, torch.Tensor], path: str) -> None:

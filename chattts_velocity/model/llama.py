@@ -76,6 +76,12 @@ class LlamaCore:
         self.triton = kernels.use_triton(self.norm)
         self.eps_tensor = torch.tensor(self.eps, dtype=torch.float32)  # the CPU decode step's
 
+    def shares_weights(self, llama) -> bool:
+        """Whether the core's matrices are the transformers ``llama``'s own storage (same dtype and device),
+        so that letting the Llama's weights go would free nothing."""
+        ours = self.layers[0].o.untyped_storage().data_ptr()
+        return ours == llama.layers[0].self_attn.o_proj.weight.untyped_storage().data_ptr()
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)

@@ -4,6 +4,7 @@ read them with every size inferred from the files, or build full-size random wei
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -173,6 +174,7 @@ class ModelLoader:
                              f"{config.num_text_tokens} text embeddings: tokenizer and weights do not match")
         gpt = ChatGPT(config)
         load_checked(gpt.llama, _llama_state(read_safetensors_dir(gpt_dir)), f"{gpt_dir}/*.safetensors")
+        gpt.llama_source = functools.partial(_read_llama, gpt_dir)
         load_checked(gpt.embed, embed_sd, "Embed.safetensors")
         return LoadedModel(
             config=config,
@@ -187,10 +189,11 @@ class ModelLoader:
 
     def _load_dummy(self, seed: int) -> LoadedModel:
         """Full-size random weights in memory (vLLM's ``load_format="dummy"``), for benchmarks and offline demos."""
-        from .checkpoint import FULL, build_modules
+        from .checkpoint import FULL, build_modules, random_llama_state
 
         with tempfile.TemporaryDirectory() as tmp:
             mods = build_modules(FULL, seed, tokenizer_dir=tmp)
+        mods.gpt.llama_source = functools.partial(random_llama_state, mods.config, seed)
         dev = self.device
         return LoadedModel(config=mods.config, gpt=mods.gpt.to(dev).eval(), tokenizer=mods.tokenizer,
                            dvae=mods.dvae.to(dev).eval(), decoder=mods.decoder.to(dev).eval(),
@@ -212,6 +215,14 @@ def _gpt_config(gpt_dir: Path, embed_sd: dict[str, torch.Tensor]) -> GPTConfig:
     fields = {k: getattr(base, k) for k in base.__dataclass_fields__}
     fields.update(num_text_tokens=text_rows, num_audio_tokens=audio_rows, num_vq=num_vq)
     return GPTConfig(**fields)
+
+
+def _read_llama(gpt_dir: Path) -> dict[str, torch.Tensor]:
+    """The Llama's weights read again from ``asset/gpt`` (for ``ChatGPT.ensure_llama``)."""
+    try:
+        return _llama_state(read_safetensors_dir(gpt_dir))
+    except OSError as e:
+        raise RuntimeError(f"re-reading the reference model's weights from {gpt_dir}: {e}") from None
 
 
 def _llama_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
