@@ -208,3 +208,36 @@ def test_bench_serve_says_how_a_request_failed(tmp_path):
     (row,) = report["rows"]
     assert row["failures"] == 2 and row["statuses"] == ["ConnectError"]
     assert len(row["errors"]) == 2 and all(e.startswith("ConnectError before any byte: ") for e in row["errors"])
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(server):
+    """A connection idle for 6 s, past the 5 s for which httpx (under the openai SDK) reuses one, still answers
+    on the same socket: with uvicorn's default 5 s the server closed it, and a client reusing it at that moment
+    got a read error before any byte."""
+    import socket
+    import time
+
+    host, port = server.url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+
+    def ask(sock) -> bytes:
+        sock.sendall(request)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return reply  # closed by the server
+            reply += chunk
+        return reply
+
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        assert ask(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        assert ask(sock).startswith(b"HTTP/1.1 200"), "the server closed the idle connection"
+
+
+def test_keep_alive_must_be_positive():
+    from chattts_velocity.server import ServerConfig
+
+    with pytest.raises(ValueError, match="keep_alive_s must be an int >= 1"):
+        ServerConfig(keep_alive_s=0)

@@ -31,10 +31,15 @@ class ServerConfig:
     """``Retry-After`` of a 429."""
     shutdown_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish before the process exits."""
+    keep_alive_s: int = 75
+    """How long an idle client connection stays open. Longer than the clients' own pools keep one (httpx, under
+    the ``openai`` SDK, reuses a connection idle up to 5 s): at uvicorn's default of 5 s a client could send a
+    request down a connection the server was just closing, and see a read error before any byte."""
     model_name: str = "chattts-velocity"
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrent", "max_input_chars", "in_flight_sentences", "max_new_token", "retry_after_s"):
+        for name in ("max_concurrent", "max_input_chars", "in_flight_sentences", "max_new_token", "retry_after_s",
+                     "keep_alive_s"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")

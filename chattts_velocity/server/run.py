@@ -55,7 +55,8 @@ def serve(chat, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
     if warmup if warmup is not None else chat.device.type == "cuda":
         warm_up(chat)
     app = build_app(chat, config)
-    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level),
+    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                            timeout_keep_alive=config.keep_alive_s),
                              app.state.speech, config.shutdown_timeout_s)
     try:
         server.run()

@@ -217,7 +217,8 @@ def run(scale: ScaleConfig, server: ServerConfig, load: dict) -> int:
         signal.signal(sig, _raise_stop)
     try:
         try:
-            serve.start(http_options={"host": scale.host, "port": scale.port})
+            serve.start(http_options={"host": scale.host, "port": scale.port,
+                                      "keep_alive_timeout_s": server.keep_alive_s})
             serve.run(application(scale, server, load), name=APP_NAME, route_prefix="/")
             count = f"{scale.min_replicas}-{scale.max_replicas}" if scale.autoscaling else str(scale.replicas)
             print(f"serving on http://{scale.host}:{scale.port} with {count} replicas (Ray Serve)", flush=True)
