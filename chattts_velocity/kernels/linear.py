@@ -83,9 +83,7 @@ def fused_qkv_rotary_store_ref(x: Tensor, weight: Tensor, *, norm_weight: Tensor
 def _split_rotary_store(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor, v_cache: Tensor,
                         slot_mapping: Tensor, num_heads: int, num_kv_heads: int, op: Callable) -> None:
     n, head_dim = qkv.shape[0], cos_sin_cache.shape[1]
-    check(qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim,
-          f"weight has {qkv.shape[1]} rows, not (num_heads + 2 num_kv_heads) * head_dim = "
-          f"{(num_heads + 2 * num_kv_heads) * head_dim}")
+    _check_qkv_rows(qkv.shape[1], num_heads, num_kv_heads, head_dim)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     op(q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim),
        positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
@@ -95,13 +93,16 @@ def _check_rope(x: Tensor, weight: Tensor, positions: Tensor, cos_sin_cache: Ten
                 v_cache: Tensor, slot_mapping: Tensor, num_heads: int, num_kv_heads: int) -> None:
     """The one-row launch's checks: those ``rotary_store_kv`` makes, on the q/k/v views of the output."""
     head_dim = cos_sin_cache.shape[1] if cos_sin_cache.dim() == 2 else 0
-    check(weight.shape[0] == (num_heads + 2 * num_kv_heads) * head_dim,
-          f"weight has {weight.shape[0]} rows, not (num_heads + 2 num_kv_heads) * head_dim = "
-          f"{(num_heads + 2 * num_kv_heads) * head_dim}")
+    _check_qkv_rows(weight.shape[0], num_heads, num_kv_heads, head_dim)
     q = x.new_empty(1, num_heads, head_dim)
     k = x.new_empty(1, num_kv_heads, head_dim)
     _check_rotary(q, k, positions, cos_sin_cache)
     _check_store_kv(k, k, k_cache, v_cache, slot_mapping)
+
+
+def _check_qkv_rows(rows: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    want = (num_heads + 2 * num_kv_heads) * head_dim
+    check(rows == want, f"weight has {rows} rows, not (num_heads + 2 num_kv_heads) * head_dim = {want}")
 
 
 def fused_linear_ref(x: Tensor, weight: Tensor, *, norm_weight: Tensor | None = None, eps: float = 1e-6,
