@@ -385,3 +385,40 @@ def test_llm_generate_returns_outputs_in_order_and_validates_first(chat, make_en
     assert not engine.has_unfinished_requests(), "nothing is queued when one prompt is bad"
     with pytest.raises(ValueError, match="2 prompts but 1"):
         llm.generate(prompts[:2], [ps[0]], use_tqdm=False)
+
+
+def test_text_windows_match_single_steps_and_the_reference(chat, make_engine):
+    """Refine requests decode in windows on the CPU, one row a sequence with the text head and the text EOS:
+    the tokens of one-step scheduling, bit for bit (sampled, with penalties, EOS and length endings), and for an
+    argmax request the reference loop's."""
+    texts = [f"refine this sentence number {i} please" for i in range(4)]
+    ps = [params(Mode.TEXT, temperature=(0.7,), seed=70 + i, repetition_penalty=1.2 if i % 2 else 1.0,
+                 top_k=None if i == 2 else 20, max_new_tokens=12 + 7 * i, return_hidden_states=False)
+          for i in range(4)]
+    ps[3] = dataclasses.replace(ps[3], min_new_tokens=33, max_new_tokens=33)  # ends by its length limit
+
+    def generate(window: int) -> tuple[list, list[bool]]:
+        engine = make_engine(num_decode_steps=window)
+        windows = []
+        original = engine.worker.launch_window
+        engine.worker.launch_window = lambda seqs, k, continuing=False: (
+            windows.append(all(s.text_mode for s in seqs)), original(seqs, k, continuing))[1]
+        for i, text in enumerate(texts):
+            engine.add_request(f"r{i}", text_prompt(chat, text), ps[i])
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return [done[f"r{i}"] for i in range(4)], windows
+
+    single, none = generate(1)
+    windowed, windows = generate(8)
+    assert not none and windows and all(windows), "the refine batch must have run in text windows"
+    assert FinishReason.LENGTH in {out.finish_reason for out in single}
+    for a, b in zip(single, windowed, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids) and a.finish_reason == b.finish_reason
+    argmax = params(Mode.TEXT, repetition_penalty=1.0, top_k=None, max_new_tokens=20, return_hidden_states=False)
+    engine = make_engine(num_decode_steps=8)
+    engine.add_request("argmax", text_prompt(chat, texts[0]), argmax)
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), None)
+    assert_matches_reference(chat, [out], [text_prompt(chat, texts[0])], [argmax])

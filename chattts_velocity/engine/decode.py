@@ -7,6 +7,10 @@ batch's next window (``launch(..., continuing=True)``) before it reads the curre
 
 A sequence that ends inside the window (EOS, its length limit) keeps computing until the window ends; the host
 drops those tokens, and the steps past its limit write no KV (their slot is -1).
+
+Text (refine) batches run in windows too where ``text_windows`` (on CPU so far: the CUDA graphs are captured
+for audio batches only): one row a sequence, the text embedding and head, the text EOS; each token repeats its
+id over the codebooks, as the single-step path reports it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.utils import parametrize
 
 from ..kernels.sampling import WindowSampler
 from ..model.llama import AttentionMetadata, LlamaCore
@@ -60,6 +65,7 @@ class MultiStepDecoder:
         self.block_size = block_size
         self.num_vq = gpt.config.num_vq
         self.eos = gpt.config.eos_code
+        self.text_windows = device.type == "cpu"
         self.max_model_len = max_model_len
         self.max_steps = max_steps
         self.device = device
@@ -125,27 +131,35 @@ class MultiStepDecoder:
         s.positions[:b] += 1
         s.step_out += 1
 
-    def _run_cpu(self, b: int, num_steps: int) -> None:
+    def _run_cpu(self, b: int, num_steps: int, text: bool = False) -> None:
         """``num_steps`` of ``_step``, bit for bit, as the CPU runs them: one op at a time, so every op counts.
         What the window does not change is computed once (positions and slots on the host, the attention's
-        cache rows, the sampling constants), the penalty history slides through one buffer, and the device
-        state is brought up to date at the end."""
-        s, q, rows = self.state, self.num_vq, b * self.num_vq
+        cache rows, the sampling constants, the text head's weight norm), the penalty history slides through
+        one buffer, and the device state is brought up to date at the end. ``text``: a refine batch, each step
+        as the single-step path samples it (one row a sequence, the text head, the text EOS)."""
+        s, q = self.state, self.num_vq
+        rows = b if text else b * q
         p = s.params.rows(rows)
         contexts = self.core.decode_window(*self._cpu_positions(b, num_steps), s.block_tables[:b], self.block_size)
-        vocab, width = self.sampler.code_head.size(0) // q, p.history.size(1)
+        embed, width = self.gpt.embed, p.history.size(1)
+        vocab = embed.head_text.out_features if text else self.sampler.code_head.size(0) // q
         sample = WindowSampler(p.temperature, p.top_p, p.top_k, p.penalty, p.window, p.min_new, p.seed, p.step,
-                               p.lane, self.eos, vocab, width, num_steps)
+                               p.lane, self.sampler.text_eos if text else self.eos, vocab, width, num_steps)
         history = torch.cat([p.history, torch.empty(rows, num_steps, dtype=torch.int64)], 1)  # [R, W + K]
         tok = s.tokens[:b]
-        for j in range(num_steps):
-            emb = self.gpt.embed.embed_codes(tok, self._code_table, self._code_offsets)  # [b, H]
-            hidden = self.core.forward(emb, contexts.context(j), self.kv_caches).float()  # [b, H]
-            flat = sample(self.sampler.code_logits(hidden), history[:, j : j + width], j)  # [b*Q]
-            history[:, width + j] = flat
-            tok = flat.view(b, q)
-            s.out_tokens[j, :b] = tok
-            s.out_hidden[j, :b] = hidden
+        with parametrize.cached():  # the text head's weight, normalised once for the window
+            for j in range(num_steps):
+                if text:
+                    emb = embed.emb_text(tok[:, 0])  # [b, H]
+                else:
+                    emb = embed.embed_codes(tok, self._code_table, self._code_offsets)  # [b, H]
+                hidden = self.core.forward(emb, contexts.context(j), self.kv_caches).float()  # [b, H]
+                logits = embed.text_logits(hidden) if text else self.sampler.code_logits(hidden)
+                flat = sample(logits, history[:, j : j + width], j)  # [R]
+                history[:, width + j] = flat
+                tok = flat[:, None].expand(b, q) if text else flat.view(b, q)
+                s.out_tokens[j, :b] = tok
+                s.out_hidden[j, :b] = hidden
         s.tokens[:b] = tok
         p.history.copy_(history[:, num_steps:])
         p.step += num_steps
@@ -188,15 +202,17 @@ class MultiStepDecoder:
         this window's inputs; only the block tables are refreshed, so the window can be queued before the host
         has read the previous one's tokens."""
         assert 1 <= num_steps <= self.max_steps and len(seqs) <= self.buckets[-1]
+        text = seqs[0].text_mode
+        assert self.text_windows or not text, "text windows are not on for this device"
         b, n = self._bucket(len(seqs)), len(seqs)
         if continuing:
             self._load_tables(seqs, b)
             self.state.step_out.zero_()
         else:
-            self._load(seqs, b)
+            self._load(seqs, b, 1 if text else self.num_vq)
         graph = self.graphs.get(b)
         if self.device.type == "cpu":
-            self._run_cpu(b, num_steps)
+            self._run_cpu(b, num_steps, text)
         else:
             for _ in range(num_steps):
                 graph.replay() if graph is not None else self._step(b)
@@ -217,7 +233,7 @@ class MultiStepDecoder:
         tokens = window.tokens[: window.num_steps, : len(window.seqs)].permute(1, 0, 2).tolist()
         return [[tuple(t) for t in row] for row in tokens]
 
-    def _load(self, seqs: list[Sequence], b: int) -> None:
+    def _load(self, seqs: list[Sequence], b: int, lanes: int) -> None:
         """Copy the batch's state into the static buffers; padding rows write nothing and are ignored."""
         s, q = self.state, self.num_vq
         tokens, positions, limits = [], [], []
@@ -233,7 +249,7 @@ class MultiStepDecoder:
         s.positions[:b].copy_(torch.tensor(positions), non_blocking=True)
         s.limit[:b].copy_(torch.tensor(limits), non_blocking=True)
         self._load_tables(seqs, b)
-        self._load_params(seqs, b)
+        self._load_params(seqs, b, lanes)
         s.step_out.zero_()
 
     def _load_tables(self, seqs: list[Sequence], b: int) -> None:
@@ -244,9 +260,10 @@ class MultiStepDecoder:
             table[i, : len(seq.block_table)] = seq.block_table
         self.state.block_tables[:b].copy_(host[:b], non_blocking=True)
 
-    def _load_params(self, seqs: list[Sequence], b: int) -> None:
-        p, rows = self.state.params, b * self.num_vq
-        host = row_params(seqs, self.num_vq, self.num_vq, MAX_PENALTY_WINDOW)
+    def _load_params(self, seqs: list[Sequence], b: int, lanes: int) -> None:
+        """Sampling rows: ``lanes`` a sequence (the codebooks; 1 in text mode)."""
+        p, rows = self.state.params, b * lanes
+        host = row_params(seqs, lanes, self.num_vq, MAX_PENALTY_WINDOW)
         for name, value in vars(host).items():
             dst = getattr(p, name)[:rows]
             dst[: value.size(0)].copy_(value, non_blocking=True)

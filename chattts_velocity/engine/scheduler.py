@@ -37,7 +37,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_steps: int = 1
-    """Decode steps to run: > 1 only when every sequence decodes an audio token and has blocks for them."""
+    """Decode steps to run: > 1 only when every sequence decodes a token of one mode (audio; text where text
+    windows are on) and has blocks for them."""
 
     @property
     def num_tokens(self) -> int:
@@ -46,12 +47,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_decode_steps: int = 1, first_window_tokens: int = 0):
+                 num_decode_steps: int = 1, first_window_tokens: int = 0, text_windows: bool = False):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_decode_steps = num_decode_steps
         self.first_window_tokens = first_window_tokens
+        self.text_windows = text_windows
+        """Text (refine) batches also decode in windows (the decoder runs them: on CPU so far)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.suspects: set[int] = set()
@@ -69,16 +72,25 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        if self.num_decode_steps > 1 and out.scheduled and all(map(_is_audio_decode, out.scheduled)):
+        if self.num_decode_steps > 1 and out.scheduled and self._one_window(out.scheduled):
             self._reserve_window(out)
         return out
+
+    def _one_window(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Every sequence decodes one token it generated itself, all in the same mode: audio, or text where
+        text windows are on."""
+        text = scheduled[0].seq.text_mode
+        if text and not self.text_windows:
+            return False
+        return all(_is_decode(item) and item.seq.text_mode == text for item in scheduled)
 
     def _reserve_window(self, out: SchedulerOutput) -> None:
         """Give every sequence blocks for ``num_decode_steps`` tokens (fewer near its length limit), or keep
         the single step if any lacks them: a longer window never preempts anybody."""
         bm, k = self.block_manager, self.num_decode_steps
         youngest = min(s.seq.num_generated for s in out.scheduled)
-        if youngest < self.first_window_tokens:  # a short window brings it to its first audio sooner
+        text = out.scheduled[0].seq.text_mode
+        if youngest < self.first_window_tokens and not text:  # a short window brings it to its first audio sooner
             k = min(k, self.first_window_tokens - youngest)
         seqs = [s.seq for s in out.scheduled]
         k = min(k, max(seq.max_tokens - len(seq) for seq in seqs))  # no steps past every length limit
@@ -153,7 +165,6 @@ class Scheduler:
         seq.finish(reason)
 
 
-def _is_audio_decode(item: ScheduledSeq) -> bool:
-    """One uncomputed token that the sequence generated itself, in code mode: what the multi-step decoder runs."""
-    seq = item.seq
-    return item.num_new_tokens == 1 and item.samples and seq.num_generated > 0 and not seq.text_mode
+def _is_decode(item: ScheduledSeq) -> bool:
+    """One uncomputed token that the sequence generated itself: what the multi-step decoder runs."""
+    return item.num_new_tokens == 1 and item.samples and item.seq.num_generated > 0
