@@ -221,14 +221,21 @@ def test_an_idle_connection_outlives_the_clients_keep_alive(server):
     request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
 
     def ask(sock) -> bytes:
+        """One response, read whole (headers, then the body's content-length bytes); b"" if closed first."""
         sock.sendall(request)
         reply = b""
-        while b"\r\n\r\n" not in reply:
+        while True:
+            head, sep, body = reply.partition(b"\r\n\r\n")
+            if sep:
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                if len(body) >= length:
+                    assert len(body) == length, "more bytes than one response"
+                    return reply
             chunk = sock.recv(4096)
             if not chunk:
                 return reply  # closed by the server
             reply += chunk
-        return reply
 
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         assert ask(sock).startswith(b"HTTP/1.1 200")
