@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from ._dispatch import FLOAT_DTYPES, check, check_contiguous, check_same_device, check_tensor, use_triton
@@ -55,16 +56,19 @@ def fused_qkv_rotary_store(x: Tensor, weight: Tensor, *, norm_weight: Tensor, ep
     (a batch-1 decode step); a launch for the linear and one for the rotation and the write otherwise."""
     if x.shape[0] == 1 and use_triton(x):
         _check(x, weight, norm_weight, residual, False)
-        _check_rope(x, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        qkv = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+        q, k, v = _qkv_views(qkv, cos_sin_cache, num_heads, num_kv_heads)
+        _check_rotary(q, k, positions, cos_sin_cache)  # the checks ``rotary_store_kv`` makes, on the output's views
+        _check_store_kv(k, v, k_cache, v_cache, slot_mapping)
         from ._triton.gemv import gemv_triton
 
         out = gemv_triton(x, weight, norm_weight, eps, residual, False,
-                          (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads))
+                          (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads), out=qkv)
         return out if residual is not None else (out, None)
     out = fused_linear(x, weight, norm_weight=norm_weight, eps=eps, residual=residual)
     qkv, new_residual = out if residual is not None else (out, None)
-    _split_rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-                        rotary_store_kv)
+    rotary_store_kv(*_qkv_views(qkv, cos_sin_cache, num_heads, num_kv_heads), positions, cos_sin_cache, k_cache,
+                    v_cache, slot_mapping)
     return qkv, new_residual
 
 
@@ -75,34 +79,18 @@ def fused_qkv_rotary_store_ref(x: Tensor, weight: Tensor, *, norm_weight: Tensor
     """Torch reference of ``fused_qkv_rotary_store``: the reference ops in turn."""
     out = fused_linear_ref(x, weight, norm_weight=norm_weight, eps=eps, residual=residual)
     qkv, new_residual = out if residual is not None else (out, None)
-    _split_rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-                        rotary_store_kv_ref)
+    rotary_store_kv_ref(*_qkv_views(qkv, cos_sin_cache, num_heads, num_kv_heads), positions, cos_sin_cache,
+                        k_cache, v_cache, slot_mapping)
     return qkv, new_residual
 
 
-def _split_rotary_store(qkv: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor, v_cache: Tensor,
-                        slot_mapping: Tensor, num_heads: int, num_kv_heads: int, op: Callable) -> None:
-    n, head_dim = qkv.shape[0], cos_sin_cache.shape[1]
-    _check_qkv_rows(qkv.shape[1], num_heads, num_kv_heads, head_dim)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
-    op(q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim),
-       positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-
-
-def _check_rope(x: Tensor, weight: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,
-                v_cache: Tensor, slot_mapping: Tensor, num_heads: int, num_kv_heads: int) -> None:
-    """The one-row launch's checks: those ``rotary_store_kv`` makes, on the q/k/v views of the output."""
-    head_dim = cos_sin_cache.shape[1] if cos_sin_cache.dim() == 2 else 0
-    _check_qkv_rows(weight.shape[0], num_heads, num_kv_heads, head_dim)
-    q = x.new_empty(1, num_heads, head_dim)
-    k = x.new_empty(1, num_kv_heads, head_dim)
-    _check_rotary(q, k, positions, cos_sin_cache)
-    _check_store_kv(k, k, k_cache, v_cache, slot_mapping)
-
-
-def _check_qkv_rows(rows: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+def _qkv_views(qkv: Tensor, cos_sin_cache: Tensor, num_heads: int, num_kv_heads: int) -> tuple[Tensor, ...]:
+    """q [N, Hq, D], k and v [N, Hk, D]: views of a q/k/v projection's output (head_dim D from the rotary cache)."""
+    n, head_dim = qkv.shape[0], cos_sin_cache.shape[-1]
     want = (num_heads + 2 * num_kv_heads) * head_dim
-    check(rows == want, f"weight has {rows} rows, not (num_heads + 2 num_kv_heads) * head_dim = {want}")
+    check(qkv.shape[1] == want, f"weight has {qkv.shape[1]} rows, not (num_heads + 2 num_kv_heads) * head_dim = {want}")
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    return q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
 
 
 def fused_linear_ref(x: Tensor, weight: Tensor, *, norm_weight: Tensor | None = None, eps: float = 1e-6,

@@ -93,13 +93,15 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, N, secon
 
 def gemv_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: float, residual: Tensor | None,
                 gated: bool, rope: tuple | None = None, *,
-                config: tuple[int, int] | None = None, pdl: bool | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                config: tuple[int, int] | None = None, pdl: bool | None = None,
+                out: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """x [1, K] (see ``fused_linear``). ``rope`` = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
     num_heads, num_kv_heads): weight is the stacked q/k/v projection; q and k come back rotated and k, v are
-    written to the cache. ``config`` = (BLOCK_N, num_warps) and ``pdl`` override the defaults (for tuning)."""
+    written to the cache. ``out``: the [1, N] output, else a new one. ``config`` = (BLOCK_N, num_warps) and
+    ``pdl`` override the defaults (for tuning)."""
     k = x.shape[1]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device) if out is None else out
     res_out = torch.empty_like(x) if residual is not None else x
     block_n, num_warps = config or default_config(n, k, gated, rope is not None, x.is_cuda)
     if rope is not None:
