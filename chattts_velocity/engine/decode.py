@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.nn.utils import parametrize
 
 from ..kernels.sampling import WindowSampler
 from ..model.llama import AttentionMetadata, LlamaCore
@@ -134,32 +133,31 @@ class MultiStepDecoder:
     def _run_cpu(self, b: int, num_steps: int, text: bool = False) -> None:
         """``num_steps`` of ``_step``, bit for bit, as the CPU runs them: one op at a time, so every op counts.
         What the window does not change is computed once (positions and slots on the host, the attention's
-        cache rows, the sampling constants, the text head's weight norm), the penalty history slides through
-        one buffer, and the device state is brought up to date at the end. ``text``: a refine batch, each step
-        as the single-step path samples it (one row a sequence, the text head, the text EOS)."""
+        cache rows, the sampling constants), the penalty history slides through one buffer, and the device
+        state is brought up to date at the end. ``text``: a refine batch, each step as the single-step path
+        samples it (one row a sequence, the text head, the text EOS)."""
         s, q = self.state, self.num_vq
         rows = b if text else b * q
         p = s.params.rows(rows)
         contexts = self.core.decode_window(*self._cpu_positions(b, num_steps), s.block_tables[:b], self.block_size)
         embed, width = self.gpt.embed, p.history.size(1)
-        vocab = embed.head_text.out_features if text else self.sampler.code_head.size(0) // q
+        vocab = self.sampler.text_head.size(0) if text else self.sampler.code_head.size(0) // q
         sample = WindowSampler(p.temperature, p.top_p, p.top_k, p.penalty, p.window, p.min_new, p.seed, p.step,
                                p.lane, self.sampler.text_eos if text else self.eos, vocab, width, num_steps)
         history = torch.cat([p.history, torch.empty(rows, num_steps, dtype=torch.int64)], 1)  # [R, W + K]
         tok = s.tokens[:b]
-        with parametrize.cached():  # the text head's weight, normalised once for the window
-            for j in range(num_steps):
-                if text:
-                    emb = embed.emb_text(tok[:, 0])  # [b, H]
-                else:
-                    emb = embed.embed_codes(tok, self._code_table, self._code_offsets)  # [b, H]
-                hidden = self.core.forward(emb, contexts.context(j), self.kv_caches).float()  # [b, H]
-                logits = embed.text_logits(hidden) if text else self.sampler.code_logits(hidden)
-                flat = sample(logits, history[:, j : j + width], j)  # [R]
-                history[:, width + j] = flat
-                tok = flat[:, None].expand(b, q) if text else flat.view(b, q)
-                s.out_tokens[j, :b] = tok
-                s.out_hidden[j, :b] = hidden
+        logits_of = self.sampler.text_logits if text else self.sampler.code_logits
+        for j in range(num_steps):
+            if text:
+                emb = embed.emb_text(tok[:, 0])  # [b, H]
+            else:
+                emb = embed.embed_codes(tok, self._code_table, self._code_offsets)  # [b, H]
+            hidden = self.core.forward(emb, contexts.context(j), self.kv_caches).float()  # [b, H]
+            flat = sample(logits_of(hidden), history[:, j : j + width], j)  # [R]
+            history[:, width + j] = flat
+            tok = flat[:, None].expand(b, q) if text else flat.view(b, q)
+            s.out_tokens[j, :b] = tok
+            s.out_hidden[j, :b] = hidden
         s.tokens[:b] = tok
         p.history.copy_(history[:, num_steps:])
         p.step += num_steps

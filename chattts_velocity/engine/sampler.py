@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.sampling import sample_rows_fused
@@ -92,10 +93,15 @@ class Sampler:
         self.text_eos = text_eos
         with torch.inference_mode():
             self.code_head = embed.code_head_matrix()  # [Q * V, H] float32: one GEMM for the 4 heads
+            self.text_head = embed.text_head_matrix()  # [V_text, H] float32: no weight norm per step
 
     def code_logits(self, hidden: Tensor) -> Tensor:
         """[S, H] float32 -> [S*Q, V] audio logits, rows ordered (sequence, codebook)."""
         return (hidden @ self.code_head.T).view(hidden.size(0) * self.num_vq, -1)
+
+    def text_logits(self, hidden: Tensor) -> Tensor:
+        """[S, H] float32 -> [S, V_text] text logits (``Embed.text_logits``' values, bit for bit)."""
+        return F.linear(hidden, self.text_head)
 
     @torch.inference_mode()
     def __call__(self, hidden: Tensor, seqs: list[Sequence]) -> list[Token]:
@@ -112,7 +118,7 @@ class Sampler:
 
     def _sample_group(self, hidden: Tensor, seqs: list[Sequence], text_mode: bool) -> list[Token]:
         if text_mode:
-            logits = self.embed.text_logits(hidden)  # [S, V]
+            logits = self.text_logits(hidden)  # [S, V]
             ids = sample_rows(logits, self._params(seqs, 1, hidden.device), self.text_eos).tolist()
             return [(t,) * self.num_vq for t in ids]
         ids = sample_rows(self.code_logits(hidden), self._params(seqs, self.num_vq, hidden.device), self.code_eos)
