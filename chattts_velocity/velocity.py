@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .audio import AudioPump, StreamConfig
+from .audio.pump import PENDING
 from .engine import AsyncLLMEngine, FinishReason, Mode, Prompt, RequestOutput, RequestStream, SamplingParams
 from .engine.sequence import Sequence
 from .params import InferCodeParams, RefineTextParams
@@ -126,11 +127,15 @@ class VelocityPath:
         seqs = self.engine.make_sequences(self._code_prompts(texts, p), self._code_params(p))
         return JoinedAudio(self, seqs, use_decoder, in_flight)
 
-    def _samples(self, stream: RequestStream, use_decoder: bool) -> Iterator[np.ndarray]:
-        """One request's audio as it is generated (each chunk decoded once, batched with other calls')."""
+    def _samples(self, stream: RequestStream, use_decoder: bool, notify=None) -> Iterator[np.ndarray]:
+        """One request's audio as it is generated (each chunk decoded once, batched with other calls'). With
+        ``notify``, ``PENDING`` instead of waiting (``Feed``)."""
         (rid,) = stream.request_ids
-        with self.pump.open(stream, self.stream_config, use_decoder) as feed:
+        with self.pump.open(stream, self.stream_config, use_decoder, notify) as feed:
             for delivery in feed:
+                if delivery is PENDING:
+                    yield delivery
+                    continue
                 for out in delivery.outputs:
                     _warn_if_cut(out)
                 if samples := delivery.samples.get(rid):
@@ -188,12 +193,17 @@ class VelocityPath:
 class JoinedAudio:
     """Iterator of ``VelocityPath.stream_joined``'s chunks. ``cancel`` (or ``close``) may be called from any
     thread, even while another thread is inside ``next``: it ends the stream and aborts its requests, without
-    touching the generator (which cannot be closed while it runs)."""
+    touching the generator (which cannot be closed while it runs).
+
+    ``next`` blocks until the next chunk, unless ``on_ready`` gave a callback before the first ``next``: then
+    it returns ``PENDING`` (``audio.pump.PENDING``) when no chunk is there yet, and the callback is called from
+    the engine's thread whenever one may be (an event loop serves many streams without a thread each)."""
 
     def __init__(self, path: VelocityPath, seqs: list[Sequence], use_decoder: bool, in_flight: int):
         self._lock = threading.Lock()
         self._live: list[RequestStream] = []
         self._cancelled = False
+        self._notify = None
         self._chunks = self._run(path, seqs, use_decoder, in_flight)
 
     def __iter__(self) -> JoinedAudio:
@@ -201,6 +211,10 @@ class JoinedAudio:
 
     def __next__(self) -> np.ndarray:
         return next(self._chunks)
+
+    def on_ready(self, notify) -> None:
+        """Make ``next`` non-blocking (see the class); ``notify()`` must be cheap and thread-safe."""
+        self._notify = notify
 
     def cancel(self) -> None:
         with self._lock:
@@ -228,7 +242,7 @@ class JoinedAudio:
                         return
                 first = len(waiting) + len(self._live) == len(seqs)
                 last = not waiting and len(self._live) == 1
-                yield from _faded(path._samples(self._live[0], use_decoder), first, last)
+                yield from _faded(path._samples(self._live[0], use_decoder, self._notify), first, last)
                 with self._lock:
                     done = self._live.pop(0)
                     if self._cancelled:
@@ -244,11 +258,14 @@ FADE = 120
 
 def _faded(chunks: Iterator[np.ndarray], first: bool, last: bool) -> Iterator[np.ndarray]:
     """``chunks`` faded in over their first ``FADE`` samples unless ``first``, and out over their last unless
-    ``last`` (those are held back until the stream ends)."""
+    ``last`` (those are held back until the stream ends). ``PENDING`` passes through."""
     ramp = np.linspace(0.0, 1.0, FADE, dtype=np.float32)
     hold = 0 if last else FADE
     pending, fading_in = np.zeros(0, dtype=np.float32), not first
     for chunk in chunks:
+        if chunk is PENDING:
+            yield chunk
+            continue
         pending = np.concatenate([pending, chunk])
         if fading_in:
             if pending.size < FADE:

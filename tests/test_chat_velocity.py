@@ -134,6 +134,54 @@ def test_joined_stream_is_the_texts_in_order_with_faded_joins(chat):
     assert engine_is_idle(chat)
 
 
+def test_joined_stream_read_without_blocking_gives_the_same_audio(chat):
+    """``on_ready``: ``next`` never waits (PENDING when nothing is there), the callback comes from the engine's
+    side whenever a chunk may be there, and the chunks add up to the blocking iteration's samples, a
+    join between sentences (opened with outputs already waiting) included."""
+    import threading
+    import time
+
+    from chattts_velocity.audio.pump import PENDING
+
+    texts = ["first sentence here", "second one", "and a third"]
+    p = Chat.InferCodeParams(manual_seed=7, max_new_token=40, min_new_token=20, show_tqdm=False)
+    path = chat._velocity
+    blocking = np.concatenate(list(path.stream_joined(texts, p, in_flight=2)))
+
+    audio = path.stream_joined(texts, p, in_flight=2)
+    woken = threading.Event()
+    calls = []
+
+    def notify():
+        calls.append(threading.current_thread().name)
+        woken.set()
+
+    audio.on_ready(notify)
+    chunks, pending = [], 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        woken.clear()
+        try:
+            chunk = next(audio)
+        except StopIteration:
+            break
+        if chunk is PENDING:
+            pending += 1
+            assert woken.wait(30), "no notify after PENDING"
+        else:
+            chunks.append(chunk)
+    else:
+        pytest.fail("the non-blocking stream did not end")
+    got = np.concatenate(chunks)
+    # the same tokens; windows batched with different neighbours in a decode round differ in the last bits
+    assert got.size == blocking.size and np.allclose(got, blocking, rtol=0, atol=1e-5)
+    assert pending > 0 and len(calls) >= pending
+    # no round ran on the reader's thread (a feed opened with outputs waiting has them taken on a thread of its
+    # own, or by the engine's next round, whichever comes first)
+    assert "MainThread" not in calls
+    assert engine_is_idle(chat)
+
+
 def test_joined_stream_cancel_from_another_thread_aborts_its_requests(chat):
     import threading
 

@@ -76,6 +76,44 @@ def test_streamed_pcm_arrives_in_chunks(client, reference_seconds):
     assert abs(sum(map(len, chunks)) / 2 / 24000 - reference_seconds) < 1e-3
 
 
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_streaming_requests_hold_no_thread_each(server):
+    """The audio is read on the event loop, woken by the engine thread: a wave of concurrent streams adds no
+    thread per request to the server while they stream (a thread per request did: +4 here, the whole time)."""
+    import statistics
+    import threading
+    import time
+
+    def stream(seed: int, out: list) -> None:
+        body = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm", "seed": seed}
+        with httpx.stream("POST", server.url + "/v1/audio/speech", headers=AUTH, json=body, timeout=60) as r:
+            out.append(sum(len(c) for c in r.iter_bytes()))
+
+    def wave(seed: int) -> tuple[list[int], list[int]]:
+        sizes, samples = [], []
+        clients = [threading.Thread(target=stream, args=(seed + i, sizes)) for i in range(4)]  # --max-concurrent
+        for c in clients:
+            c.start()
+        deadline = time.monotonic() + 60
+        while any(c.is_alive() for c in clients) and time.monotonic() < deadline:
+            samples.append(_threads(server.proc.pid))
+            time.sleep(0.005)
+        for c in clients:
+            c.join(60)
+        return sizes, samples
+
+    wave(100)  # the worker-thread pool that prepares requests is filled once
+    before = _threads(server.proc.pid)
+    sizes, samples = wave(200)
+    assert len(sizes) == 4 and all(n > 24000 for n in sizes)
+    assert len(samples) >= 10
+    assert statistics.median(samples) - before <= 1, (before, samples)
+
+
 def test_sse_events_in_order_ending_with_done(server, reference_seconds):
     events = []
     with httpx.stream("POST", server.url + "/v1/audio/speech", headers=AUTH, timeout=60,

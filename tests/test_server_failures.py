@@ -13,6 +13,7 @@ import pytest
 from server_helpers import free_port
 
 from chattts_velocity import velocity
+from chattts_velocity.audio.pump import PENDING
 from chattts_velocity.server import ServerConfig
 from chattts_velocity.server.app import build_app
 
@@ -38,15 +39,17 @@ def url(chat):
 
 @pytest.fixture
 def failing(monkeypatch):
-    """The joined audio yields one chunk, then raises."""
+    """The joined audio yields one chunk (PENDING while there is none yet, as the server reads it), then raises."""
     real = velocity.JoinedAudio.__next__
-    count = {}
+    chunks = {}
 
     def next_then_fail(self):
-        count[id(self)] = count.get(id(self), 0) + 1
-        if count[id(self)] > 1:
+        if chunks.get(id(self)):
             raise RuntimeError("injected failure")
-        return real(self)
+        item = real(self)
+        if item is not PENDING:
+            chunks[id(self)] = 1
+        return item
 
     monkeypatch.setattr(velocity.JoinedAudio, "__next__", next_then_fail)
 

@@ -43,20 +43,44 @@ class Delivery:
 _END = object()
 
 
+class _Pending:
+    def __repr__(self) -> str:
+        return "PENDING"
+
+
+PENDING = _Pending()
+"""What a feed with a ``notify`` callback (and every iterator over one) yields when nothing is there yet, instead
+of waiting: its reader comes back after the next ``notify``."""
+
+
 class Feed:
     """One ``RequestStream``'s requests turned into audio: iterate for ``Delivery`` objects until every request's
     audio is out (or the stream was closed); a failed request or decode raises there. ``close`` (or leaving a
-    ``with`` block) stops the deliveries; it does not close the stream."""
+    ``with`` block) stops the deliveries; it does not close the stream.
 
-    def __init__(self, pump: AudioPump, stream, config: StreamConfig, use_decoder: bool):
-        self.pump, self.stream, self.use_decoder = pump, stream, use_decoder
+    Without ``notify`` iteration blocks until the next delivery (a reader thread per feed). With it, iteration
+    never blocks: it yields ``PENDING`` when nothing is there, and ``notify()`` is called (on the pump's thread)
+    after each new item, so one event loop can read many feeds without a thread each."""
+
+    def __init__(self, pump: AudioPump, stream, config: StreamConfig, use_decoder: bool, notify=None):
+        self.pump, self.stream, self.use_decoder, self.notify = pump, stream, use_decoder, notify
         self.audio = {rid: AudioStream(config) for rid in stream.request_ids}
         self.owner = {id(a): rid for rid, a in self.audio.items()}
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
 
     def __iter__(self):
-        while (item := self._out.get()) is not _END:
+        while True:
+            if self.notify is None:
+                item = self._out.get()
+            else:
+                try:
+                    item = self._out.get_nowait()
+                except queue.Empty:
+                    yield PENDING
+                    continue
+            if item is _END:
+                return
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -83,6 +107,8 @@ class Feed:
     def _send(self, item) -> None:
         if not self.closed:
             self._out.put(item)
+            if self.notify is not None:
+                self.notify()
 
 
 class AudioPump:
@@ -97,9 +123,10 @@ class AudioPump:
         self.num_calls = 0
         """Decode rounds run so far (a round is one ``decode`` call per decoder kind)."""
 
-    def open(self, stream, config: StreamConfig, use_decoder: bool) -> Feed:
-        """Start turning ``stream``'s outputs into audio (outputs that arrived before are taken at once)."""
-        feed = Feed(self, stream, config, use_decoder)
+    def open(self, stream, config: StreamConfig, use_decoder: bool, notify=None) -> Feed:
+        """Start turning ``stream``'s outputs into audio (outputs that arrived before are taken at once: on this
+        thread, or with ``notify`` (a reader that must not block, see ``Feed``) on a thread of their own)."""
+        feed = Feed(self, stream, config, use_decoder, notify)
         with self._lock:
             self._feeds[id(stream)] = feed
         stream.listen(self)
@@ -107,7 +134,10 @@ class AudioPump:
         # now (later outputs are marked and taken by the engine thread's round after their step)
         if stream.has_outputs() or stream.exhausted():
             self.mark(stream)
-            self.wake()
+            if notify is None:
+                self.wake()
+            else:  # a round decodes: not on an event loop
+                threading.Thread(target=self.wake, name="chattts-velocity-audio", daemon=True).start()
         return feed
 
     def decode(self, windows: list[Window], use_decoder: bool) -> list[np.ndarray]:
