@@ -3,6 +3,7 @@
 on full-size random weights, while the engine's steps and the audio rounds are timed on the engine thread.
 
     python benchmarks/serve_timeline.py --streams 8 64 256 --requests 2 --tokens 500
+    python benchmarks/serve_timeline.py --http ...   # the same engine served over HTTP, driven by `bench serve`
 
 Per level: wall time, audio seconds per second, first audio p50/p99, and the engine thread's time split into
 scheduler steps (prefill steps, decode windows), audio rounds and waiting, with the rounds' decode calls, windows
@@ -20,6 +21,7 @@ import numpy as np
 from chattts_velocity.bench.serve import TEXT
 from chattts_velocity.bench.stream import StreamBenchConfig, load_chat
 from chattts_velocity.config import SAMPLE_RATE
+from chattts_velocity.server import ServerConfig
 
 
 def instrument(chat):
@@ -77,13 +79,37 @@ def instrument(chat):
     return log
 
 
-def level(chat, log, streams: int, requests: int, tokens: int) -> dict:
+def reset(log) -> None:
     for key, v in log.items():
         if key == "parts":
             for cell in v.values():
                 cell[0] = 0.0
         else:
             v.clear()
+
+
+def level_http(chat, log, url: str, streams: int, requests: int) -> dict:
+    """The same load over HTTP: ``chattts-velocity bench serve`` (a process of its own) against the server that
+    runs in this process on the instrumented engine."""
+    import subprocess
+    import sys
+    import tempfile
+
+    reset(log)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "bench", "serve", "--url", url, "--streams",
+                        str(streams), "--requests-per-stream", str(requests), "--json", f.name], check=True,
+                       stdout=subprocess.DEVNULL)
+        (row,) = json.load(open(f.name))["rows"]
+    spans = log["steps"] + log["wakes"]  # the engine's busy span (the client's start-up left out)
+    wall = max(b for _, b, *_ in spans) - min(a for a, *_ in spans)
+    return {"streams": streams, "requests": row["requests"], "errors": row["failures"],
+            "client_rtf_total": round(row["rtf_total"], 1), "first_audio_p50_ms": round(row["ttfa_p50_ms"], 1),
+            "first_audio_p99_ms": round(row["ttfa_p99_ms"], 1), **engine_thread(log, wall)}
+
+
+def level(chat, log, streams: int, requests: int, tokens: int) -> dict:
+    reset(log)
     texts = chat._prepare_texts(TEXT, True, None, True, True)
     spk = chat.sample_random_speaker()
     firsts, audio_s, errors = [], [], []
@@ -114,6 +140,17 @@ def level(chat, log, streams: int, requests: int, tokens: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    return {
+        "streams": streams, "requests": len(firsts), "errors": len(errors), "wall_s": round(wall, 3),
+        "audio_s_per_s": round(sum(audio_s) / wall, 1),
+        "first_audio_p50_ms": round(1e3 * float(np.median(firsts)), 1) if firsts else None,
+        "first_audio_p99_ms": round(1e3 * float(np.percentile(firsts, 99)), 1) if firsts else None,
+        **engine_thread(log, wall), "first_errors": errors[:2],
+    }
+
+
+def engine_thread(log, wall: float) -> dict:
+    """The engine thread's time over ``wall`` seconds: steps, audio rounds, idle; decode calls and batches."""
     steps, wakes, decodes = log["steps"], log["wakes"], log["decodes"]
     step_s = sum(b - a for a, b, *_ in steps)
     window_s = sum(b - a for a, b, _, _, _, w, _ in steps if w)
@@ -122,11 +159,7 @@ def level(chat, log, streams: int, requests: int, tokens: int) -> dict:
     decode_s = sum(b - a for a, b, _, _ in decodes)
     rounds_with_decode = len({round(a, 6) for a, *_ in decodes})
     return {
-        "streams": streams, "requests": len(firsts), "errors": len(errors), "wall_s": round(wall, 3),
-        "audio_s_per_s": round(sum(audio_s) / wall, 1),
-        "first_audio_p50_ms": round(1e3 * float(np.median(firsts)), 1) if firsts else None,
-        "first_audio_p99_ms": round(1e3 * float(np.percentile(firsts, 99)), 1) if firsts else None,
-        "engine_steps": len(steps), "engine_step_s": round(step_s, 3), "of_which_windows_s": round(window_s, 3),
+        "wall_s": round(wall, 3), "engine_steps": len(steps), "engine_step_s": round(step_s, 3), "of_which_windows_s": round(window_s, 3),
         "audio_round_s": round(wake_s, 3), "engine_thread_idle_s": round(wall - step_s - wake_s, 3),
         "decode_calls": len(decodes), "decode_s": round(decode_s, 3),
         "decode_ms_per_call": round(1e3 * decode_s / max(len(decodes), 1), 2),
@@ -137,8 +170,29 @@ def level(chat, log, streams: int, requests: int, tokens: int) -> dict:
         "step_parts_s": {k: round(v[0], 3) for k, v in log["parts"].items()},
         "slowest_other_steps (s, window, outputs, waiting, running, prompt tokens)":
             [(round(d, 4), w, n, wt, r, pt) for d, w, n, wt, r, pt in slow],
-        "first_errors": errors[:2],
     }
+
+
+def start_server(chat, config) -> str:
+    """The speech server over ``chat`` on a free loopback port, on a thread of this process; its URL."""
+    import socket
+
+    import uvicorn
+
+    from chattts_velocity.server.app import build_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(chat, config), host="127.0.0.1", port=port,
+                                           log_level="warning", timeout_keep_alive=config.keep_alive_s))
+    threading.Thread(target=server.run, name="uvicorn", daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}"
 
 
 def main() -> None:
@@ -148,15 +202,26 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=500)
     ap.add_argument("--size", default="full", choices=["full", "tiny"])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--round-interval", type=float, nargs="+", default=None,
+                    help="AudioPump.round_interval_s values to compare, each over every level (default: as loaded)")
+    ap.add_argument("--http", action="store_true",
+                    help="serve the engine over HTTP in this process and drive it with `bench serve` instead")
     args = ap.parse_args()
     chat = load_chat(StreamBenchConfig(size=args.size), max(args.streams) * 4)
     log = instrument(chat)
     level(chat, log, 2, 1, 64)  # warm-up
+    if args.http:
+        url = start_server(chat, ServerConfig(max_concurrent=max(args.streams), max_queue=4 * max(args.streams),
+                                              max_new_token=args.tokens))
     rows = []
-    for n in args.streams:
-        row = level(chat, log, n, args.requests, args.tokens)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+    for interval in args.round_interval or [chat._velocity.pump.round_interval_s]:
+        chat._velocity.pump.round_interval_s = interval
+        for n in args.streams:
+            row = level_http(chat, log, url, n, args.requests) if args.http else level(chat, log, n, args.requests,
+                                                                                         args.tokens)
+            row = {"round_interval_s": interval, **row}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -107,7 +107,7 @@ def _server_config(args: argparse.Namespace):
     return ServerConfig(
         max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_input_chars=args.max_input_chars,
         api_key=args.api_key, voices_dir=args.voices_dir, shutdown_timeout_s=args.shutdown_timeout,
-        max_new_token=args.max_new_token, keep_alive_s=args.keep_alive,
+        max_new_token=args.max_new_token, keep_alive_s=args.keep_alive, audio_round_ms=args.audio_round_ms,
     )
 
 
@@ -167,6 +167,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--keep-alive", type=int, default=75,
                    help="seconds an idle client connection stays open (default: 75; above the 5 s for which "
                         "HTTP clients such as httpx reuse one)")
+    s.add_argument("--audio-round-ms", type=float, default=50.0,
+                   help="least time between audio decode rounds holding only later chunks; first chunks are "
+                        "decoded at once (default: 50; 0: after every engine step)")
     s.add_argument("--max-num-seqs", type=int, default=None,
                    help="engine: sequences decoded together (default: max-concurrent x 4 sentences)")
     s.add_argument("--kv-cache-gib", type=float, default=None, help="engine: KV cache size")

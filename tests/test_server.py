@@ -281,8 +281,11 @@ def test_an_idle_connection_outlives_the_clients_keep_alive(server):
         assert ask(sock).startswith(b"HTTP/1.1 200"), "the server closed the idle connection"
 
 
-def test_keep_alive_must_be_positive():
+def test_keep_alive_and_audio_round_are_checked():
     from chattts_velocity.server import ServerConfig
 
     with pytest.raises(ValueError, match="keep_alive_s must be an int >= 1"):
         ServerConfig(keep_alive_s=0)
+    for bad in (-1, 1001, float("nan")):
+        with pytest.raises(ValueError, match="audio_round_ms must be within 0-1000"):
+            ServerConfig(audio_round_ms=bad)

@@ -358,3 +358,46 @@ def test_closing_a_stream_never_waits_for_a_round(chat):
     engine_thread.join(10)
     assert took < 1.0, f"close waited {took:.1f} s for the round"
     assert sum(x.size for d in busy_feed for x in d.samples.get("busy", [])) > 0
+
+
+def test_paced_rounds_hold_later_chunks_but_never_a_first_or_last_one(chat):
+    """``round_interval_s``: a round holding only later chunks waits for the interval (the news stays marked for
+    the next wake); a request's first chunk and its last are decoded at once; the audio is the same."""
+    from chattts_velocity.audio import AudioPump
+    from chattts_velocity.audio.pump import PENDING
+    from chattts_velocity.engine import RequestStream
+
+    config = StreamConfig(first_chunk=8, lookahead=8)
+    tokens = _tokens(chat, 60, True, seed=3)
+    ref = AudioStream(config)
+    ref.push(tokens, finished=True)
+    windows = ref.ready()
+    want = np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, decode_windows(chat.audio, windows, True),
+                                                                strict=True)])
+    pump, engine = AudioPump(chat.audio, round_interval_s=3600.0), _Engine()
+    stream = RequestStream(engine, ["r"])
+    feed = pump.open(stream, config, use_decoder=True, notify=lambda: None)  # a reader that never blocks
+    reader = iter(feed)
+
+    def delivered() -> list:
+        out = []
+        while (item := next(reader, None)) not in (PENDING, None):
+            out += item.samples.get("r", [])
+        return out
+
+    stream._put(_out("r", tokens[:20], False, 20), 0.0)  # the first chunk (8 + 8 look-ahead) is ready
+    pump.wake()
+    first = delivered()
+    assert pump.num_calls == 1 and len(first) == 1
+    stream._put(_out("r", tokens[20:50], False, 50), 0.0)  # later chunks only: held
+    pump.wake()
+    assert pump.num_calls == 1 and delivered() == [] and pump._marked
+    stream._put(_out("r", tokens[50:], True, 60), 0.0)  # the last chunk: decoded at once, with those held
+    pump.wake()
+    rest = delivered()
+    assert pump.num_calls == 2 and rest
+    got = np.concatenate(first + rest)
+    assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
+    assert not pump._feeds and not pump._marked
+    with pytest.raises(ValueError, match="round_interval_s"):
+        AudioPump(chat.audio, round_interval_s=-1)

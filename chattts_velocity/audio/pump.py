@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,6 +69,8 @@ class Feed:
         self.owner = {id(a): rid for rid, a in self.audio.items()}
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
+        self._outputs: list = []  # taken from the stream, not yet delivered
+        self._windows: list[Window] = []  # planned, not yet decoded (a round put them off)
 
     def __iter__(self):
         while True:
@@ -96,13 +99,19 @@ class Feed:
         self.close()
 
     # ---------------------------------------------------------------- pump side
-    def _take(self) -> tuple[list, list[Window]]:
-        """The stream's new outputs pushed into the decoders, and every window they made decodable."""
+    def _take(self) -> None:
+        """The stream's new outputs pushed into the decoders; every window they made decodable joins those not
+        decoded yet."""
         outputs = self.stream.take()
         for out in outputs:
             tokens = out.new_hidden_states if self.use_decoder else out.new_token_ids
             self.audio[out.request_id].push(tokens, finished=out.finished)
-        return outputs, [w for a in self.audio.values() for w in a.ready()]
+        self._outputs += outputs
+        self._windows += [w for a in self.audio.values() for w in a.ready()]
+
+    def _urgent(self) -> bool:
+        """A window that cannot wait for the next paced round: a request's first audio, or its last."""
+        return any(w.start == 0 or w.final for w in self._windows) or self.stream.exhausted()
 
     def _send(self, item) -> None:
         if not self.closed:
@@ -112,14 +121,23 @@ class Feed:
 
 
 class AudioPump:
-    """Decodes the stream windows of all open feeds, one batched round per engine step (see the module)."""
+    """Decodes the stream windows of all open feeds in batched rounds between the engine's steps (see the
+    module). A round that decodes comes at most every ``round_interval_s`` unless a window is a request's
+    first or last (first audio is never held back); in between, new windows wait for the next round."""
 
-    def __init__(self, audio: AudioDecoder):
+    def __init__(self, audio: AudioDecoder, round_interval_s: float = 0.0):
+        if not round_interval_s >= 0:
+            raise ValueError(f"round_interval_s must be >= 0, got {round_interval_s!r}")
         self.audio = audio
+        self.round_interval_s = round_interval_s
+        """Least time between two decoding rounds for windows that can wait (0: every engine step). A decode
+        costs about the same for 1 window as for 100 (it is launch-bound), so under load pacing the rounds
+        leaves the engine more of its time; a later chunk arrives up to this much later."""
         self._lock = threading.Lock()  # guards the two dicts below
         self._rounds = threading.Lock()  # one round at a time, on whichever thread runs it
         self._feeds: dict[int, Feed] = {}  # id(stream) -> its feed
-        self._marked: dict[int, None] = {}  # ids of streams with news, in order
+        self._marked: dict[int, None] = {}  # ids of streams with news (or windows put off), in order
+        self._last_decode = float("-inf")
         self.num_calls = 0
         """Decode rounds run so far (a round is one ``decode`` call per decoder kind)."""
 
@@ -172,7 +190,8 @@ class AudioPump:
                     return
                 try:
                     with self.audio.stream():
-                        self._round(feeds)
+                        if not self._round(feeds):
+                            return  # put off: the feeds stay marked for the wake after the next step
                 except Exception as err:  # noqa: BLE001 - a bug here must reach the callers, not the engine
                     logger.exception("audio round failed")
                     for feed in feeds:
@@ -185,17 +204,30 @@ class AudioPump:
             if self._feeds.get(id(feed.stream)) is feed:
                 del self._feeds[id(feed.stream)]
 
-    def _round(self, feeds: list[Feed]) -> None:
+    def _round(self, feeds: list[Feed]) -> bool:
+        """Take the feeds' news; decode and deliver, or (paced, nothing urgent) put it all off: False."""
         taken: list[tuple[Feed, list, list[Window]]] = []
         for feed in feeds:
             if feed.closed:
                 continue
             try:
-                outputs, windows = feed._take()
+                feed._take()
             except Exception as err:  # noqa: BLE001 - a failed request (RequestError), or bad tokens
                 self._fail(feed, err)
                 continue
-            taken.append((feed, outputs, windows))
+            taken.append(feed)
+        now = time.monotonic()
+        if now - self._last_decode < self.round_interval_s and not any(feed._urgent() for feed in taken):
+            with self._lock:
+                for feed in taken:
+                    if id(feed.stream) in self._feeds:
+                        self._marked[id(feed.stream)] = None
+            return False
+        if any(feed._windows for feed in taken):
+            self._last_decode = now
+        taken = [(feed, feed._outputs, feed._windows) for feed in taken]
+        for feed, _, _ in taken:
+            feed._outputs, feed._windows = [], []
         wavs: dict[int, np.ndarray] = {}  # id(window) -> its samples
         failed: dict[int, BaseException] = {}  # id(feed) -> the decode error
         for use_decoder in (True, False):
@@ -231,6 +263,7 @@ class AudioPump:
             if item is _END or isinstance(item, BaseException):
                 self._forget(feed)
             feed._send(item)
+        return True
 
     def _fail(self, feed: Feed, err: BaseException) -> None:
         feed._send(err)

@@ -83,6 +83,7 @@ def build_app(chat, config: ServerConfig | None = None, cluster=None) -> FastAPI
     registered voices go to its ``voices`` store, which every replica reads, and ``/metrics`` renders every
     replica's series (``await cluster.render_metrics(metrics)``). Without it the app serves this process alone."""
     config = config or ServerConfig()
+    chat._velocity.pump.round_interval_s = config.audio_round_ms / 1000
     state = _State(chat, config, cluster)
     app = FastAPI(title="chattts-velocity", version="0.1.0")
     app.state.speech = state

@@ -35,6 +35,10 @@ class ServerConfig:
     """How long an idle client connection stays open. Longer than the clients' own pools keep one (httpx, under
     the ``openai`` SDK, reuses a connection idle up to 5 s): at uvicorn's default of 5 s a client could send a
     request down a connection the server was just closing, and see a read error before any byte."""
+    audio_round_ms: float = 50.0
+    """Least time between two audio decode rounds that hold only later chunks (``AudioPump.round_interval_s``):
+    a request's first chunk is decoded at once, a later one up to this much later, and under load fewer,
+    larger rounds leave the engine more of its time. 0: a round after every engine step."""
     model_name: str = "chattts-velocity"
 
     def __post_init__(self) -> None:
@@ -45,6 +49,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {self.max_queue!r}")
+        if not 0 <= self.audio_round_ms <= 1000:
+            raise ValueError(f"audio_round_ms must be within 0-1000, got {self.audio_round_ms!r}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s!r}")
         if self.api_key is None and os.environ.get(API_KEY_ENV):
