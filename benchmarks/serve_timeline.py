@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import threading
 import time
 
@@ -96,16 +97,48 @@ def level_http(chat, log, url: str, streams: int, requests: int) -> dict:
     import tempfile
 
     reset(log)
+    phases = LOG_HTTP
+    for spans in phases.values():
+        spans.clear()
+    begin = time.monotonic()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        child, own, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF), \
+            time.monotonic()
         subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "bench", "serve", "--url", url, "--streams",
                         str(streams), "--requests-per-stream", str(requests), "--json", f.name], check=True,
                        stdout=subprocess.DEVNULL)
+        took = time.monotonic() - t0
+        child_after, own_after = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
+        cpu = {"client_process_cpu_s": round(child_after.ru_utime + child_after.ru_stime - child.ru_utime
+                                             - child.ru_stime, 2),
+               "server_process_cpu_s": round(own_after.ru_utime + own_after.ru_stime - own.ru_utime - own.ru_stime, 2),
+               "client_wall_s": round(took, 2)}
         (row,) = json.load(open(f.name))["rows"]
     spans = log["steps"] + log["wakes"]  # the engine's busy span (the client's start-up left out)
     wall = max(b for _, b, *_ in spans) - min(a for a, *_ in spans)
     return {"streams": streams, "requests": row["requests"], "errors": row["failures"],
             "client_rtf_total": round(row["rtf_total"], 1), "first_audio_p50_ms": round(row["ttfa_p50_ms"], 1),
-            "first_audio_p99_ms": round(row["ttfa_p99_ms"], 1), **engine_thread(log, wall)}
+            "first_audio_p99_ms": round(row["ttfa_p99_ms"], 1), **cpu, **engine_thread(log, wall),
+            "request_phases": request_phases(chat, phases, begin, wall)}
+
+
+def request_phases(chat, phases, begin: float, wall: float) -> dict:
+    """Where an HTTP request's time goes, server side: per phase the p50/p90 seconds and the mean number of
+    requests in it (its total time over the wall time: Little's law). Engine phases are per sentence."""
+    engine = [t for t in chat.engine.stats().requests.values() if t.queued >= begin and t.finished]
+    spans = {
+        "handler: request in -> prepared": [b - a for a, b in phases["handler"]],
+        "prepare (worker thread)": [b - a for a, b in phases["prepare"]],
+        "body: first next -> last chunk": [b - a for a, b in phases["body"]],
+        "engine: queued -> first token": [t.first_token - t.queued for t in engine if t.first_token],
+        "engine: first token -> finished": [t.finished - t.first_token for t in engine if t.first_token],
+    }
+    out = {}
+    for name, xs in spans.items():
+        if xs:
+            out[name] = {"n": len(xs), "p50_s": round(float(np.median(xs)), 3),
+                         "p90_s": round(float(np.percentile(xs, 90)), 3), "mean_in_phase": round(sum(xs) / wall, 1)}
+    return out
 
 
 def level(chat, log, streams: int, requests: int, tokens: int) -> dict:
@@ -173,13 +206,46 @@ def engine_thread(log, wall: float) -> dict:
     }
 
 
+LOG_HTTP = {"handler": [], "prepare": [], "body": []}
+
+
 def start_server(chat, config) -> str:
     """The speech server over ``chat`` on a free loopback port, on a thread of this process; its URL."""
     import socket
 
     import uvicorn
 
+    from chattts_velocity.server import app as server_app
     from chattts_velocity.server.app import build_app
+
+    phases = LOG_HTTP
+    prepare, produced = server_app._prepare, server_app._produced
+
+    def timed_prepare(*args):
+        t0 = time.monotonic()
+        try:
+            return prepare(*args)
+        finally:
+            phases["prepare"].append((t0, time.monotonic()))
+
+    async def timed_produced(*args):
+        t0 = time.monotonic()
+        try:
+            async for chunk in produced(*args):
+                yield chunk
+        finally:
+            phases["body"].append((t0, time.monotonic()))
+
+    speech = server_app._speech
+
+    async def timed_speech(*args):
+        t0 = time.monotonic()
+        try:
+            return await speech(*args)
+        finally:
+            phases["handler"].append((t0, time.monotonic()))
+
+    server_app._prepare, server_app._produced, server_app._speech = timed_prepare, timed_produced, timed_speech
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -229,6 +229,7 @@ def test_bench_serve_drives_the_server(server, tmp_path):
     rows = report["rows"]
     assert [r["streams"] for r in rows] == [1, 2] and all(r["failures"] == 0 for r in rows)
     assert all(r["ttfa_p50_ms"] > 0 and r["rtf_min"] > 0 for r in rows)
+    assert all(0 < r["client_cpu_s"] and 0 < r["wall_s"] for r in rows)  # whether the client was the bottleneck
     assert json.loads(out.read_text())["rows"] == rows
 
 

@@ -41,6 +41,10 @@ class ServeBenchConfig:
             require_matplotlib()
 
 
+CLIENT_BOUND = 0.8
+"""A level whose client process was on the CPU over this share of its wall time is reported as client-bound."""
+
+
 async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
     body = {"model": "tts-1", "voice": cfg.voice, "input": cfg.text, "response_format": "pcm", "seed": seed}
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -71,9 +75,9 @@ async def _level(cfg: ServeBenchConfig, n: int) -> dict:
         async def user(u: int) -> list[dict]:
             return [await _one(client, cfg, u * cfg.requests_per_stream + k) for k in range(cfg.requests_per_stream)]
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         results = [r for rs in await asyncio.gather(*(user(u) for u in range(n))) for r in rs]
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     ok = [r for r in results if r["ok"]]
     pct = (lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan"))  # noqa: E731
     return dict(streams=n, requests=len(results), failures=len(results) - len(ok),
@@ -83,7 +87,7 @@ async def _level(cfg: ServeBenchConfig, n: int) -> dict:
                 gap_p99_ms=pct([r["gap_max"] for r in ok], 99),
                 rtf_min=min((r["rtf"] for r in ok), default=float("nan")),
                 rtf_p50=float(np.median([r["rtf"] for r in ok])) if ok else float("nan"),
-                rtf_total=sum(r["audio_s"] for r in ok) / wall)
+                rtf_total=sum(r["audio_s"] for r in ok) / wall, wall_s=wall, client_cpu_s=cpu)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -104,6 +108,10 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
     report = {"config": asdict(cfg), "rows": rows}
     print(f"server {cfg.url}, pcm streaming, {cfg.requests_per_stream} request(s) per client")
     print(format_table(rows))
+    for r in rows:
+        if r["client_cpu_s"] > CLIENT_BOUND * r["wall_s"]:
+            print(f"warning: at {r['streams']} streams this client process was busy {r['client_cpu_s']:.1f} s of "
+                  f"{r['wall_s']:.1f} s: it may be the bottleneck, and the numbers understate the server")
     if cfg.json_path:
         with open(cfg.json_path, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
