@@ -230,7 +230,13 @@ def test_bench_serve_drives_the_server(server, tmp_path):
     assert [r["streams"] for r in rows] == [1, 2] and all(r["failures"] == 0 for r in rows)
     assert all(r["ttfa_p50_ms"] > 0 and r["rtf_min"] > 0 for r in rows)
     assert all(0 < r["client_cpu_s"] and 0 < r["wall_s"] for r in rows)  # whether the client was the bottleneck
+    assert [r["client_processes"] for r in rows] == [1, 1]
     assert json.loads(out.read_text())["rows"] == rows
+    # a level split over client processes (one per stream here): every request counted once
+    split = run_and_report(ServeBenchConfig(url=server.url, streams=(3,), requests_per_stream=2, api_key=API_KEY,
+                                            json_path=None, streams_per_process=1))["rows"][0]
+    assert split["client_processes"] == 3 and split["requests"] == 6 and split["failures"] == 0
+    assert split["rtf_min"] > 0 and split["ttfa_p50_ms"] > 0
 
 
 def test_bench_serve_says_how_a_request_failed(tmp_path):

@@ -31,18 +31,26 @@ class ServeBenchConfig:
     timeout_s: float = 300.0
     json_path: str | None = "bench_serve.json"
     plot_path: str | None = None
+    streams_per_process: int = 64
+    """Clients driven by one client process: a level of more streams is split over several processes. One
+    asyncio process with 256 streams was the bottleneck on an H100: its event loop, half busy, delayed every
+    stream, and the same server measured 172-234 audio s per s and 2.5 s first audio against 447-540 and
+    0.6 s with 4 processes (`python benchmarks/serve_timeline.py --http --clients 1 4`)."""
 
     def __post_init__(self) -> None:
         if not self.streams or any(not isinstance(n, int) or n < 1 for n in self.streams):
             raise ValueError(f"--streams must be ints >= 1, got {self.streams!r}")
         if self.requests_per_stream < 1:
             raise ValueError("--requests-per-stream must be >= 1")
+        if not isinstance(self.streams_per_process, int) or self.streams_per_process < 1:
+            raise ValueError(f"--streams-per-process must be an int >= 1, got {self.streams_per_process!r}")
         if self.plot_path:
             require_matplotlib()
 
 
 CLIENT_BOUND = 0.8
-"""A level whose client process was on the CPU over this share of its wall time is reported as client-bound."""
+"""A level with a client process on the CPU over this share of the wall time is reported as maybe client-bound
+(a busy asyncio loop delays its streams well before it is saturated: see ``streams_per_process``)."""
 
 
 async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
@@ -66,18 +74,58 @@ async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
             "rtf": size / 2 / SAMPLE_RATE / wall, "audio_s": size / 2 / SAMPLE_RATE}
 
 
-async def _level(cfg: ServeBenchConfig, n: int) -> dict:
+async def _users(cfg: ServeBenchConfig, users: range) -> list[dict]:
+    """Each user (a client) makes ``requests_per_stream`` requests in a row; every result, in no order."""
     import httpx
 
+    n = len(users)
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as client:
 
         async def user(u: int) -> list[dict]:
             return [await _one(client, cfg, u * cfg.requests_per_stream + k) for k in range(cfg.requests_per_stream)]
 
+        return [r for rs in await asyncio.gather(*(user(u) for u in users)) for r in rs]
+
+
+def _client_process(cfg: ServeBenchConfig, users: range, barrier, out) -> None:
+    """One client process of a level: waits for its siblings, runs its users, reports its results and CPU time."""
+    barrier.wait()
+    cpu = time.process_time()
+    results = asyncio.run(_users(cfg, users))
+    out.put((results, time.process_time() - cpu))
+
+
+def _level(cfg: ServeBenchConfig, n: int) -> dict:
+    """One level: ``n`` concurrent clients, in one process (this one) or split over several."""
+    procs = -(-n // cfg.streams_per_process)
+    if procs == 1:
         start, cpu = time.perf_counter(), time.process_time()
-        results = [r for rs in await asyncio.gather(*(user(u) for u in range(n))) for r in rs]
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        results = asyncio.run(_users(cfg, range(n)))
+        return _summary(n, results, time.perf_counter() - start, [time.process_time() - cpu])
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (and torch)
+    barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
+    bounds = [n * i // procs for i in range(procs + 1)]
+    workers = [ctx.Process(target=_client_process, args=(cfg, range(bounds[i], bounds[i + 1]), barrier, out),
+                           daemon=True) for i in range(procs)]
+    for w in workers:
+        w.start()
+    try:
+        barrier.wait(timeout=120)  # every process imported and ready: the level starts now
+        start = time.perf_counter()
+        parts = [out.get(timeout=cfg.timeout_s * cfg.requests_per_stream + 60) for _ in workers]
+        wall = time.perf_counter() - start
+    finally:
+        for w in workers:
+            w.join(10)
+            if w.is_alive():
+                w.kill()
+    return _summary(n, [r for results, _ in parts for r in results], wall, [cpu for _, cpu in parts])
+
+
+def _summary(n: int, results: list[dict], wall: float, cpu: list[float]) -> dict:
     ok = [r for r in results if r["ok"]]
     pct = (lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan"))  # noqa: E731
     return dict(streams=n, requests=len(results), failures=len(results) - len(ok),
@@ -87,7 +135,8 @@ async def _level(cfg: ServeBenchConfig, n: int) -> dict:
                 gap_p99_ms=pct([r["gap_max"] for r in ok], 99),
                 rtf_min=min((r["rtf"] for r in ok), default=float("nan")),
                 rtf_p50=float(np.median([r["rtf"] for r in ok])) if ok else float("nan"),
-                rtf_total=sum(r["audio_s"] for r in ok) / wall, wall_s=wall, client_cpu_s=cpu)
+                rtf_total=sum(r["audio_s"] for r in ok) / wall, wall_s=wall, client_processes=len(cpu),
+                client_cpu_s=max(cpu))
 
 
 def format_table(rows: list[dict]) -> str:
@@ -103,15 +152,16 @@ def format_table(rows: list[dict]) -> str:
 def run_and_report(cfg: ServeBenchConfig) -> dict:
     warm = replace(cfg, requests_per_stream=1)
     for n in sorted({1, min(8, max(cfg.streams))}):  # untimed: connections, and whatever the server warms lazily
-        asyncio.run(_level(warm, n))
-    rows = [asyncio.run(_level(cfg, n)) for n in cfg.streams]
+        _level(warm, n)
+    rows = [_level(cfg, n) for n in cfg.streams]
     report = {"config": asdict(cfg), "rows": rows}
     print(f"server {cfg.url}, pcm streaming, {cfg.requests_per_stream} request(s) per client")
     print(format_table(rows))
     for r in rows:
         if r["client_cpu_s"] > CLIENT_BOUND * r["wall_s"]:
-            print(f"warning: at {r['streams']} streams this client process was busy {r['client_cpu_s']:.1f} s of "
-                  f"{r['wall_s']:.1f} s: it may be the bottleneck, and the numbers understate the server")
+            print(f"warning: at {r['streams']} streams a client process was busy {r['client_cpu_s']:.1f} s of "
+                  f"{r['wall_s']:.1f} s: the client may be the bottleneck, and the numbers understate the server "
+                  "(lower --streams-per-process)")
     if cfg.json_path:
         with open(cfg.json_path, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
