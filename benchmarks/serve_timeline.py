@@ -90,8 +90,9 @@ def reset(log) -> None:
 
 
 def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 1) -> dict:
-    """The same load over HTTP: ``chattts-velocity bench serve`` (``clients`` processes of its own, the streams
-    split between them) against the server that runs in this process on the instrumented engine."""
+    """The same load over HTTP: ``chattts-velocity bench serve`` (a process of its own, which splits the streams
+    over ``clients`` client processes started together) against the server that runs in this process on the
+    instrumented engine."""
     import subprocess
     import sys
     import tempfile
@@ -101,33 +102,23 @@ def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 
     for spans in phases.values():
         spans.clear()
     begin = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        child, own, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF), \
-            time.monotonic()
-        shares = [streams // clients + (i < streams % clients) for i in range(clients)]
-        procs = [subprocess.Popen([sys.executable, "-m", "chattts_velocity.cli", "bench", "serve", "--url", url,
-                                   "--streams", str(n), "--requests-per-stream", str(requests), "--json",
-                                   f"{tmp}/{i}.json"], stdout=subprocess.DEVNULL)
-                 for i, n in enumerate(shares) if n]
-        if any(p.wait() for p in procs):
-            raise RuntimeError("a bench client failed")
-        took = time.monotonic() - t0
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        child, own = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
+        subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "bench", "serve", "--url", url, "--streams",
+                        str(streams), "--requests-per-stream", str(requests), "--streams-per-process",
+                        str(-(-streams // clients)), "--json", f.name], check=True, stdout=subprocess.DEVNULL)
         child_after, own_after = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
-        cpu = {"client_processes": len(procs),
-               "client_processes_cpu_s": round(child_after.ru_utime + child_after.ru_stime - child.ru_utime
-                                               - child.ru_stime, 2),
-               "server_process_cpu_s": round(own_after.ru_utime + own_after.ru_stime - own.ru_utime - own.ru_stime, 2),
-               "client_wall_s": round(took, 2)}
-        rows = [json.load(open(f"{tmp}/{i}.json"))["rows"][0] for i in range(len(procs))]
+        (row,) = json.load(open(f.name))["rows"]
     spans = log["steps"] + log["wakes"]  # the engine's busy span (the clients' start-up left out)
     wall = max(b for _, b, *_ in spans) - min(a for a, *_ in spans)
-    return {"streams": streams, "requests": sum(r["requests"] for r in rows),
-            "errors": sum(r["failures"] for r in rows),
-            "client_rtf_total": round(sum(r["rtf_total"] for r in rows), 1),
-            "first_audio_p50_ms (median of the clients')": round(float(np.median([r["ttfa_p50_ms"] for r in rows])), 1),
-            "first_audio_p99_ms (worst client's)": round(max(r["ttfa_p99_ms"] for r in rows), 1),
-            "clients_busy_share": [round(r["client_cpu_s"] / r["wall_s"], 2) for r in rows],
-            **cpu, **engine_thread(log, wall), "request_phases": request_phases(chat, phases, begin, wall)}
+    return {"streams": streams, "requests": row["requests"], "errors": row["failures"],
+            "client_rtf_total": round(row["rtf_total"], 1), "first_audio_p50_ms": round(row["ttfa_p50_ms"], 1),
+            "first_audio_p99_ms": round(row["ttfa_p99_ms"], 1), "client_processes": row["client_processes"],
+            "busiest_client_cpu_s": round(row["client_cpu_s"], 2), "client_level_wall_s": round(row["wall_s"], 2),
+            "client_processes_cpu_s (start-up included)": round(
+                child_after.ru_utime + child_after.ru_stime - child.ru_utime - child.ru_stime, 2),
+            "server_process_cpu_s": round(own_after.ru_utime + own_after.ru_stime - own.ru_utime - own.ru_stime, 2),
+            **engine_thread(log, wall), "request_phases": request_phases(chat, phases, begin, wall)}
 
 
 def request_phases(chat, phases, begin: float, wall: float) -> dict:
@@ -279,7 +270,7 @@ def main() -> None:
     ap.add_argument("--round-interval", type=float, nargs="+", default=None,
                     help="AudioPump.round_interval_s values to compare, each over every level (default: as loaded)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1],
-                    help="with --http: bench client processes sharing the load (several values: each compared)")
+                    help="with --http: client processes the bench splits the load over (several values: each compared)")
     ap.add_argument("--http", action="store_true",
                     help="serve the engine over HTTP in this process and drive it with `bench serve` instead")
     args = ap.parse_args()
