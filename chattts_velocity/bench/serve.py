@@ -32,10 +32,11 @@ class ServeBenchConfig:
     json_path: str | None = "bench_serve.json"
     plot_path: str | None = None
     streams_per_process: int = 64
-    """Clients driven by one client process: a level of more streams is split over several processes. One
-    asyncio process with 256 streams was the bottleneck on an H100: its event loop, half busy, delayed every
-    stream, and the same server measured 172-234 audio s per s and 2.5 s first audio against 447-540 and
-    0.6 s with 4 processes (`python benchmarks/serve_timeline.py --http --clients 1 4`)."""
+    """Clients driven by one client process: a level of more streams is split over several processes, started
+    together. Against the same server on an H100 at 256 streams, one asyncio client process (about half busy)
+    measured first audio p99 at 6.2-6.8 s and 175-179 audio s per s; split over 4 processes, 2.3 s and 243
+    (`bash benchmarks/gpu_serve.sh`, the server's audio rounds unpaced in both): the one process delayed
+    its own streams."""
 
     def __post_init__(self) -> None:
         if not self.streams or any(not isinstance(n, int) or n < 1 for n in self.streams):
