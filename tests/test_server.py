@@ -230,6 +230,8 @@ def test_bench_serve_drives_the_server(server, tmp_path):
     assert [r["streams"] for r in rows] == [1, 2] and all(r["failures"] == 0 for r in rows)
     assert all(r["ttfa_p50_ms"] > 0 and r["rtf_min"] > 0 for r in rows)
     assert all(0 < r["client_cpu_s"] and 0 < r["wall_s"] for r in rows)  # whether the client was the bottleneck
+    # a request's timeline: headers, then first audio, then its end
+    assert all(0 < r["headers_p50_ms"] <= r["ttfa_p50_ms"] <= r["request_p50_ms"] for r in rows)
     assert [r["client_processes"] for r in rows] == [1, 1]
     assert json.loads(out.read_text())["rows"] == rows
     # a level split over client processes (one per stream here): every request counted once

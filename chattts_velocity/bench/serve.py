@@ -60,6 +60,7 @@ async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
     start, arrivals, size = time.perf_counter(), [], 0
     try:
         async with client.stream("POST", cfg.url + "/v1/audio/speech", json=body, headers=headers) as r:
+            head = time.perf_counter() - start  # the status line and headers: the server has prepared the request
             if r.status_code != 200:
                 await r.aread()
                 return {"ok": False, "status": r.status_code}
@@ -72,7 +73,7 @@ async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
     wall = time.perf_counter() - start
     gaps = np.diff(arrivals) if len(arrivals) > 1 else np.zeros(1)
     return {"ok": size > 0, "status": 200, "ttfa": arrivals[0] if arrivals else None, "gap_max": float(gaps.max()),
-            "rtf": size / 2 / SAMPLE_RATE / wall, "audio_s": size / 2 / SAMPLE_RATE}
+            "rtf": size / 2 / SAMPLE_RATE / wall, "audio_s": size / 2 / SAMPLE_RATE, "head": head, "wall": wall}
 
 
 async def _users(cfg: ServeBenchConfig, users: range) -> list[dict]:
@@ -133,6 +134,8 @@ def _summary(n: int, results: list[dict], wall: float, cpu: list[float]) -> dict
                 statuses=sorted({str(r["status"]) for r in results}),
                 errors=[r["error"] for r in results if "error" in r][:5],
                 ttfa_p50_ms=pct([r["ttfa"] for r in ok], 50), ttfa_p99_ms=pct([r["ttfa"] for r in ok], 99),
+                headers_p50_ms=pct([r["head"] for r in ok], 50), headers_p99_ms=pct([r["head"] for r in ok], 99),
+                request_p50_ms=pct([r["wall"] for r in ok], 50),
                 gap_p99_ms=pct([r["gap_max"] for r in ok], 99),
                 rtf_min=min((r["rtf"] for r in ok), default=float("nan")),
                 rtf_p50=float(np.median([r["rtf"] for r in ok])) if ok else float("nan"),
