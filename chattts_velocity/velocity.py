@@ -206,7 +206,8 @@ class JoinedAudio:
 
     ``next`` blocks until the next chunk, unless ``on_ready`` gave a callback before the first ``next``: then
     it returns ``PENDING`` (``audio.pump.PENDING``) when no chunk is there yet, and the callback is called from
-    the engine's thread whenever one may be (an event loop serves many streams without a thread each)."""
+    the audio pump's thread (the engine's, mostly) whenever one may be (an event loop serves many streams
+    without a thread each)."""
 
     def __init__(self, path: VelocityPath, seqs: list[Sequence], use_decoder: bool, in_flight: int):
         self._lock = threading.Lock()

@@ -239,3 +239,26 @@ def test_engine_config_fits_the_whole_batch_at_once():
     else:
         with pytest.raises(ValueError, match="no enforce_eager setting"):
             engine_config(eager, 3, 40)
+
+
+def test_serve_bench_fails_at_once_when_a_client_process_dies():
+    """A client process that exits without its results fails the level within a second or so, instead of the
+    level waiting out its whole timeout; results that did arrive are gathered as they come."""
+    import queue
+    import time
+    from types import SimpleNamespace
+
+    from chattts_velocity.bench.serve import _gather
+
+    out = queue.Queue()
+    out.put(([{"ok": True}], 0.1))
+    alive, dead = SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=1)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="died \\(exit code 1\\)"):
+        _gather(out, [alive, dead], timeout_s=600)
+    assert time.monotonic() - start < 30
+    out.put(("a", 0.1))
+    out.put(("b", 0.2))
+    assert _gather(out, [alive, SimpleNamespace(exitcode=0)], timeout_s=600) == [("a", 0.1), ("b", 0.2)]
+    with pytest.raises(RuntimeError, match="did not finish within 0 s"):
+        _gather(out, [alive], timeout_s=0)

@@ -207,7 +207,7 @@ class AudioPump:
 
     def _round(self, feeds: list[Feed]) -> bool:
         """Take the feeds' news; decode and deliver, or (paced, nothing urgent) put it all off: False."""
-        taken: list[tuple[Feed, list, list[Window]]] = []
+        live: list[Feed] = []
         for feed in feeds:
             if feed.closed:
                 continue
@@ -216,18 +216,19 @@ class AudioPump:
             except Exception as err:  # noqa: BLE001 - a failed request (RequestError), or bad tokens
                 self._fail(feed, err)
                 continue
-            taken.append(feed)
+            live.append(feed)
         now = time.monotonic()
-        if now - self._last_decode < self.round_interval_s and not any(feed._urgent() for feed in taken):
+        if now - self._last_decode < self.round_interval_s and not any(feed._urgent() for feed in live):
             with self._lock:
-                for feed in taken:
+                for feed in live:
                     if id(feed.stream) in self._feeds:
                         self._marked[id(feed.stream)] = None
             return False
-        if any(feed._windows for feed in taken):
+        if any(feed._windows for feed in live):
             self._last_decode = now
-        taken = [(feed, feed._outputs, feed._windows) for feed in taken]
-        for feed, _, _ in taken:
+        taken: list[tuple[Feed, list, list[Window]]] = []  # each feed's outputs and windows, handed out now
+        for feed in live:
+            taken.append((feed, feed._outputs, feed._windows))
             feed._outputs, feed._windows = [], []
         wavs: dict[int, np.ndarray] = {}  # id(window) -> its samples
         failed: dict[int, BaseException] = {}  # id(feed) -> the decode error

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -33,10 +34,10 @@ class ServeBenchConfig:
     plot_path: str | None = None
     streams_per_process: int = 64
     """Clients driven by one client process: a level of more streams is split over several processes, started
-    together. Against the same server on an H100 at 256 streams, one asyncio client process (about half busy)
-    measured first audio p99 at 6.2-6.8 s and 175-179 audio s per s; split over 4 processes, 2.3 s and 243
-    (`bash benchmarks/gpu_serve.sh`, the server's audio rounds unpaced in both): the one process delayed
-    its own streams."""
+    together. Against the server on an H100 at 256 streams, its audio rounds unpaced, one asyncio client process
+    (about half busy) measured first audio p99 at 6.2-6.8 s and 175-179 audio s per s; split over 4
+    processes, 2.3 s and 243 (`bash benchmarks/gpu_serve.sh`, 0ae4b28 and f7333a5 with `--audio-round-ms 0`):
+    the one process delayed its own streams."""
 
     def __post_init__(self) -> None:
         if not self.streams or any(not isinstance(n, int) or n < 1 for n in self.streams):
@@ -115,9 +116,12 @@ def _level(cfg: ServeBenchConfig, n: int) -> dict:
     for w in workers:
         w.start()
     try:
-        barrier.wait(timeout=120)  # every process imported and ready: the level starts now
+        try:
+            barrier.wait(timeout=120)  # every process imported and ready: the level starts now
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"the {procs} bench client processes did not all start within 120 s") from None
         start = time.perf_counter()
-        parts = [out.get(timeout=cfg.timeout_s * cfg.requests_per_stream + 60) for _ in workers]
+        parts = _gather(out, workers, cfg.timeout_s * cfg.requests_per_stream + 60)
         wall = time.perf_counter() - start
     finally:
         for w in workers:
@@ -125,6 +129,25 @@ def _level(cfg: ServeBenchConfig, n: int) -> dict:
             if w.is_alive():
                 w.kill()
     return _summary(n, [r for results, _ in parts for r in results], wall, [cpu for _, cpu in parts])
+
+
+def _gather(out, workers, timeout_s: float) -> list:
+    """One result per client process; a process that died without one fails the level at once."""
+    import queue
+
+    parts, deadline = [], time.monotonic() + timeout_s
+    while len(parts) < len(workers):
+        try:
+            parts.append(out.get(timeout=1))
+            continue
+        except queue.Empty:
+            pass
+        dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"a bench client process died (exit code {dead[0]}) before reporting its results")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the bench client processes did not finish within {timeout_s:.0f} s")
+    return parts
 
 
 def _summary(n: int, results: list[dict], wall: float, cpu: list[float]) -> dict:

@@ -304,10 +304,9 @@ class _Wakeups:
 
 async def _produced(state: _State, audio: JoinedAudio) -> AsyncIterator[np.ndarray]:
     """``audio``'s chunks, read on the event loop without a thread: the engine thread calls back when a stream
-    has news (``JoinedAudio.on_ready``), and every chunk there by then goes out as one. (Before: a thread per
-    request blocked in ``next`` and handed each chunk over; at 256 streams those threads and the engine thread
-    traded the GIL, and the server delivered a third of the audio per second of the same load in-process,
-    `benchmarks/serve_timeline.py`.) Leaving early cancels ``audio``."""
+    has news (``JoinedAudio.on_ready``), and every chunk there by then goes out as one. (Before, a thread per
+    request blocked in ``next`` and handed each chunk over: as fast on an H100 within the runs' spread, but a
+    thread for every stream in flight.) Leaving early cancels ``audio``."""
     loop = asyncio.get_running_loop()
     if state.wakeups is None or state.wakeups.loop is not loop:
         state.wakeups = _Wakeups(loop)
