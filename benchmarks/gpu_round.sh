@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: run named steps, each under its own time limit, logging each to <step>.log, all packed into $OUT/round.tgz at the end.
-# Steps: tests (the gpu-marked tests), latency (where one stream's first audio goes), serve (benchmarks/gpu_serve.sh with a GIL profile), synth (the full-size
+# Steps: tests (the gpu-marked tests), latency (where one stream's first audio goes), prefill (a lone prompt's prefill step), trace (a batch-1 decode
+# step kernel by kernel), refine (the refine pass, reference vs velocity), serve (benchmarks/gpu_serve.sh with a GIL profile), synth (the full-size
 # synth-vs-loop row), bench (the issue-12 engine sweep). Usage: bash benchmarks/gpu_round.sh tests serve synth
 set -u
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/round; mkdir -p "$FINAL" "$OUT/serve"
@@ -22,6 +23,10 @@ for s in "$@"; do
         timeline) step timeline "${TIMELINE_S:-240}" python3 benchmarks/serve_timeline.py --streams 8 64 256 \
                    --requests 2 --tokens 500 ;;
         latency) step latency "${LATENCY_S:-120}" python3 benchmarks/stream_latency.py --runs 3 --tokens 200 ;;
+        prefill) step prefill "${PREFILL_S:-120}" python3 benchmarks/prefill_trace.py ;;
+        trace) step trace "${TRACE_S:-120}" python3 benchmarks/step_trace.py --batch 1 ;;
+        refine) step refine "${REFINE_S:-240}" python3 benchmarks/refine_speed.py --size full --device cuda \
+                   --batch 1 8 64 --tokens 100 --repeats 3 ;;
         serve) PROFILE=1 OUT=$OUT/serve step serve "${SERVE_S:-240}" bash benchmarks/gpu_serve.sh ;;
         synth) step synth "${SYNTH_S:-180}" python3 benchmarks/synth_throughput.py --dummy --lines 512 \
                    --max-new-token 300 --device cuda --engine-dtype float16 --loop-lines 32 ;;

@@ -43,13 +43,13 @@ def main() -> None:
         seqs = [g.seq for g in engine.requests.values()]
         bucket = dec._bucket(len(seqs))
         t0 = time.perf_counter()
-        dec._load(seqs, bucket)
+        dec._load(seqs, bucket, dec.num_vq)
         torch.cuda.synchronize()
         load_ms = (time.perf_counter() - t0) * 1e3
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(window):
-            dec.graphs[bucket].replay()
+            dec.graphs[bucket, False].replay()
         end.record()
         end.synchronize()
         gpu_ms = start.elapsed_time(end)

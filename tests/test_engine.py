@@ -149,6 +149,30 @@ def test_engine_equals_reference_under_argmax(chat, make_engine, workload, setup
         assert engine.block_manager.num_hit_blocks == 0
 
 
+@pytest.mark.parametrize("setup", ["default", "chunked-prefill", "preemption"])
+def test_padded_prefill_steps_equal_the_reference(chat, make_engine, workload, setup):
+    """The CUDA engine's padded prefill (``_PaddedPrefill``: tokens and sequences padded to a bucket, padding
+    writing no KV), run eagerly on the CPU: the reference's tokens and hidden states all the same."""
+    from chattts_velocity.engine.model_runner import _PaddedPrefill
+
+    engine = make_engine(**ENGINE_SETUPS[setup])
+    runner = engine.worker.runner
+    width = engine.worker.decoder.state.block_tables.size(1)
+    calls = []
+
+    class Counted(_PaddedPrefill):
+        def __call__(self, emb, meta):
+            calls.append((emb.size(0), meta.context_lens.size(0)))
+            return super().__call__(emb, meta)
+
+    runner.prefill = Counted(runner.core, runner.kv_caches, width, torch.device("cpu"))
+    prompts, ps = workload
+    outs = run(engine, prompts, ps)
+    assert_matches_reference(chat, outs, prompts, ps)
+    # every prefill went through the padding, some of several sequences, none filling its bucket exactly
+    assert calls and any(s > 1 for _, s in calls) and any(n not in (32, 64, 128) for n, _ in calls)
+
+
 def test_preemption_happens_with_the_small_cache(chat, make_engine, workload):
     engine = make_engine(**ENGINE_SETUPS["preemption"])
     preempted = []
@@ -387,10 +411,20 @@ def test_llm_generate_returns_outputs_in_order_and_validates_first(chat, make_en
         llm.generate(prompts[:2], [ps[0]], use_tqdm=False)
 
 
-def test_text_windows_match_single_steps_and_the_reference(chat, make_engine):
-    """Refine requests decode in windows on the CPU, one row a sequence with the text head and the text EOS:
-    the tokens of one-step scheduling, bit for bit (sampled, with penalties, EOS and length endings), and for an
-    argmax request the reference loop's."""
+@pytest.mark.parametrize("path", ["cpu-window", "device-step"])
+def test_text_windows_match_single_steps_and_the_reference(chat, make_engine, path):
+    """Refine requests decode in windows, one row a sequence with the text head and the text EOS: the tokens of
+    one-step scheduling, bit for bit (sampled, with penalties, EOS and length endings), and for an argmax
+    request the reference loop's. ``device-step``: the window runs the step CUDA captures as a graph
+    (``MultiStepDecoder._step``, here eagerly with the torch kernels) instead of the CPU's own loop."""
+
+    def make(**kw):
+        engine = make_engine(**kw)
+        decoder = engine.worker.decoder
+        if path == "device-step" and decoder is not None:
+            decoder._run_cpu = lambda b, k, text=False: [decoder._step(b, text) for _ in range(k)]
+        return engine
+
     texts = [f"refine this sentence number {i} please" for i in range(4)]
     ps = [params(Mode.TEXT, temperature=(0.7,), seed=70 + i, repetition_penalty=1.2 if i % 2 else 1.0,
                  top_k=None if i == 2 else 20, max_new_tokens=12 + 7 * i, return_hidden_states=False)
@@ -398,7 +432,7 @@ def test_text_windows_match_single_steps_and_the_reference(chat, make_engine):
     ps[3] = dataclasses.replace(ps[3], min_new_tokens=33, max_new_tokens=33)  # ends by its length limit
 
     def generate(window: int) -> tuple[list, list[bool]]:
-        engine = make_engine(num_decode_steps=window)
+        engine = make(num_decode_steps=window)
         windows = []
         original = engine.worker.launch_window
         engine.worker.launch_window = lambda seqs, k, continuing=False: (
@@ -417,7 +451,7 @@ def test_text_windows_match_single_steps_and_the_reference(chat, make_engine):
     for a, b in zip(single, windowed, strict=True):
         assert torch.equal(a.token_ids, b.token_ids) and a.finish_reason == b.finish_reason
     argmax = params(Mode.TEXT, repetition_penalty=1.0, top_k=None, max_new_tokens=20, return_hidden_states=False)
-    engine = make_engine(num_decode_steps=8)
+    engine = make(num_decode_steps=8)
     engine.add_request("argmax", text_prompt(chat, texts[0]), argmax)
     while engine.has_unfinished_requests():
         out = next((o for o in engine.step() if o.finished), None)

@@ -3,10 +3,12 @@ Run on the device machine: ``python -m pytest -m gpu tests/test_gpu_engine.py``.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from chattts_velocity.engine import EngineConfig, LLMEngine, Prompt, SamplingParams
+from chattts_velocity.engine import EngineConfig, LLMEngine, Mode, Prompt, SamplingParams
 from chattts_velocity.engine.scheduler import ScheduledSeq
 
 pytestmark = [
@@ -94,21 +96,36 @@ def run(engine, prompts, params):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_cuda_graphs_and_eager_give_identical_tokens(model, dtype):
+    """Audio and refine (text) requests, with the decode windows' and the padded prefills' CUDA graphs and
+    without: the same tokens."""
     prompts = []
     for i in range(6):
         ids, mask = teacher_forcing_inputs(model, length=60 + 17 * i, seed=10 + i)
         prompts.append(Prompt(ids, mask))
     params = [SamplingParams(seed=i, min_new_tokens=20 + 9 * i, max_new_tokens=40 + 13 * i) for i in range(6)]
+    for i in range(3):  # refine requests: text prompts, text tokens
+        ids = torch.randint(0, 20000, (30 + 11 * i, 1), generator=torch.Generator().manual_seed(40 + i))
+        prompts.append(Prompt(ids.expand(-1, 4), torch.ones(ids.size(0), dtype=torch.bool)))
+        params.append(SamplingParams(mode=Mode.TEXT, temperature=(0.7,), seed=i, repetition_penalty=1.0,
+                                     min_new_tokens=20, max_new_tokens=30 + 9 * i))
     outs = {}
     for eager in (False, True):
         engine = LLMEngine.from_model(model, EngineConfig(dtype=dtype, max_num_seqs=8, kv_cache_gib=1,
                                                           enforce_eager=eager), "cuda")
-        assert (engine.worker.decoder.graphs == {}) == eager
+        assert (engine.worker.decoder.graphs == {}) == eager == (engine.worker.runner.prefill.graphs == {})
+        modes = []
+        engine.worker.launch_window = functools.partial(_recording_launch, engine.worker.launch_window, modes)
         outs[eager] = run(engine, prompts, params)
+        assert True in modes and False in modes, "both audio and text windows must have run"
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     for a, b in zip(outs[False], outs[True], strict=True):
         assert torch.equal(a.token_ids, b.token_ids), "CUDA-graph and eager tokens differ"
         assert a.num_generated >= 20
+
+
+def _recording_launch(launch, modes, seqs, num_steps, continuing=False):
+    modes.append(seqs[0].text_mode)
+    return launch(seqs, num_steps, continuing)
 
 
 def test_gpu_engine_equals_reference_under_argmax(model):

@@ -169,3 +169,30 @@ def test_output_hidden_with_nothing_new_is_empty_like_the_chunks():
     assert seq.output_hidden(8, 0).dtype == torch.float16 and seq.output_hidden(8, 0).shape == (2, 8)
     empty = seq.output_hidden(8, 2)
     assert empty.shape == (0, 8) and empty.dtype == torch.float16
+
+
+def test_mixed_audio_and_text_decodes_take_turns_in_windows():
+    """Decodes of audio and refine (text) sequences together: each step keeps one mode, in turn, and runs it
+    as a window; a step that still prefills stays one mixed step."""
+    import dataclasses
+
+    from chattts_velocity.engine.sampling_params import Mode
+
+    bm = BlockSpaceManager(64, 4, 0.0)
+    sched = Scheduler(bm, 8, 64, num_decode_steps=8)
+    audio = [make_seq(5, request_id=f"a{i}") for i in range(2)]
+    text = make_seq(6, first=30, request_id="t")
+    text.params = dataclasses.replace(text.params, mode=Mode.TEXT)
+    for seq in (*audio, text):
+        sched.add(seq)
+    first = run_step(sched)  # the prefills: one step of all three
+    assert plan(first) == [("a0", 5), ("a1", 5), ("t", 6)] and first.num_steps == 1
+    turns = []
+    for _ in range(4):
+        out = sched.schedule()
+        turns.append((sorted(s.seq.request_id for s in out.scheduled), out.num_steps))
+        for item in out.scheduled:  # what the engine does after a window of num_steps tokens
+            item.seq.num_computed_tokens += out.num_steps
+            item.seq.extend([(7,) * 4] * out.num_steps)
+    assert turns == [(["t"], 8), (["a0", "a1"], 8), (["t"], 8), (["a0", "a1"], 8)]
+    assert all(len(seq.block_table) == bm.blocks_for(len(seq)) for seq in (*audio, text))

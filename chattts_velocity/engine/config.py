@@ -44,7 +44,8 @@ class EngineConfig:
     host work overlaps the device's. None: on CUDA only (on CPU the window runs inside the launch, so it would
     only delay each report by a window)."""
     enforce_eager: bool = False
-    """Never use CUDA graphs (they are used on CUDA for the multi-step decode otherwise)."""
+    """Never use CUDA graphs (they are used on CUDA for the multi-step decode and the padded prefill steps
+    otherwise)."""
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

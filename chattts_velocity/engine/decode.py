@@ -8,9 +8,9 @@ batch's next window (``launch(..., continuing=True)``) before it reads the curre
 A sequence that ends inside the window (EOS, its length limit) keeps computing until the window ends; the host
 drops those tokens, and the steps past its limit write no KV (their slot is -1).
 
-Text (refine) batches run in windows too where ``text_windows`` (on CPU so far: the CUDA graphs are captured
-for audio batches only): one row a sequence, the text embedding and head, the text EOS; each token repeats its
-id over the codebooks, as the single-step path reports it.
+Text (refine) batches run in windows too, with CUDA graphs of their own: one sampling row a sequence, the text
+embedding and head, the text EOS; each token repeats its id over the codebooks, as the single-step path
+reports it.
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ class MultiStepDecoder:
         self.block_size = block_size
         self.num_vq = gpt.config.num_vq
         self.eos = gpt.config.eos_code
-        self.text_windows = device.type == "cpu"
         self.max_model_len = max_model_len
         self.max_steps = max_steps
         self.device = device
@@ -79,7 +78,8 @@ class MultiStepDecoder:
                              for _ in range(2)]
         self._host_tables = [torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._next_host = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        """The captured step of each (batch bucket, text mode)."""
         if device.type == "cpu":
             with torch.no_grad():
                 self._code_table, self._code_offsets = gpt.embed.fuse_code_tables()  # [Q * V, H], [Q]
@@ -108,11 +108,12 @@ class MultiStepDecoder:
         return next(b for b in self.buckets if b >= n)
 
     # ---------------------------------------------------------------- one step (captured or eager)
-    def _step(self, b: int) -> None:
-        s, rows, bs = self.state, b * self.num_vq, self.block_size
+    def _step(self, b: int, text: bool = False) -> None:
+        s, bs = self.state, self.block_size
+        rows = b if text else b * self.num_vq
         p = s.params
         pos = s.positions[:b]
-        emb = self.gpt.embed.embed_step(s.tokens[:b, None], text_mode=False)[:, 0]  # [b, H]
+        emb = self.gpt.embed.embed_step(s.tokens[:b, None], text_mode=text)[:, 0]  # [b, H]
         blocks = s.block_tables[:b].gather(1, (pos // bs).clamp(max=s.block_tables.size(1) - 1)[:, None])[:, 0]
         slots = torch.where(pos < s.limit[:b], blocks.to(torch.int64) * bs + pos % bs, -1)
         rope_pos = pos.clamp(max=self.max_model_len - 1)  # steps past a row's end must stay in the rotary table
@@ -120,11 +121,15 @@ class MultiStepDecoder:
                                  context_lens=(rope_pos + 1).to(torch.int32), block_tables=s.block_tables[:b],
                                  decode_only=True)
         hidden = self.core.forward(emb, meta, self.kv_caches).float()  # [b, H]
-        logits = self.sampler.code_logits(hidden)  # [b*Q, V]
-        tok = sample_rows(logits, p.rows(rows), self.eos)  # [b*Q]
-        s.out_tokens[:, :b].index_copy_(0, s.step_out[None], tok.view(1, b, self.num_vq))
+        if text:
+            tok = sample_rows(self.sampler.text_logits(hidden), p.rows(rows), self.sampler.text_eos)  # [b]
+            step_tokens = tok[:, None].expand(b, self.num_vq)
+        else:
+            tok = sample_rows(self.sampler.code_logits(hidden), p.rows(rows), self.eos)  # [b*Q]
+            step_tokens = tok.view(b, self.num_vq)
+        s.out_tokens[:, :b].index_copy_(0, s.step_out[None], step_tokens[None])
         s.out_hidden[:, :b].index_copy_(0, s.step_out[None], hidden[None])
-        s.tokens[:b].copy_(tok.view(b, self.num_vq))
+        s.tokens[:b].copy_(step_tokens)
         p.history[:rows].copy_(torch.cat([p.history[:rows, 1:], tok[:, None]], 1))
         p.step[:rows] += 1
         s.positions[:b] += 1
@@ -179,17 +184,19 @@ class MultiStepDecoder:
 
     def _capture_all(self) -> None:
         pool = None
-        for b in reversed(self.buckets):
-            self.state.step_out.zero_()
-            self._step(b)  # warm up: Triton compiles, cuBLAS picks its kernels
-            self.state.step_out.zero_()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._step(b)
-            pool = graph.pool()
-            self.graphs[b] = graph
+        for text in (False, True):
+            for b in reversed(self.buckets):
+                self.state.step_out.zero_()
+                self._step(b, text)  # warm up: Triton compiles, cuBLAS picks its kernels
+                self.state.step_out.zero_()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._step(b, text)
+                pool = graph.pool()
+                self.graphs[b, text] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch buckets up to %d)", len(self.graphs), self.buckets[-1])
+        logger.info("captured %d decode CUDA graphs (audio and text, batch buckets up to %d)", len(self.graphs),
+                    self.buckets[-1])
 
     # ---------------------------------------------------------------- a window of steps
     @torch.inference_mode()
@@ -201,19 +208,18 @@ class MultiStepDecoder:
         has read the previous one's tokens."""
         assert 1 <= num_steps <= self.max_steps and len(seqs) <= self.buckets[-1]
         text = seqs[0].text_mode
-        assert self.text_windows or not text, "text windows are not on for this device"
         b, n = self._bucket(len(seqs)), len(seqs)
         if continuing:
             self._load_tables(seqs, b)
             self.state.step_out.zero_()
         else:
             self._load(seqs, b, 1 if text else self.num_vq)
-        graph = self.graphs.get(b)
+        graph = self.graphs.get((b, text))
         if self.device.type == "cpu":
             self._run_cpu(b, num_steps, text)
         else:
             for _ in range(num_steps):
-                graph.replay() if graph is not None else self._step(b)
+                graph.replay() if graph is not None else self._step(b, text)
         hidden = self.state.out_hidden[:num_steps, :n].clone()  # the buffer is reused by the next window
         host = self._host_tokens[self._next_host]
         self._next_host ^= 1  # two host buffers: one window in flight while the previous one is read

@@ -57,10 +57,8 @@ class LLMEngine:
         self.worker = Worker(gpt, config, spk_emb_id, text_eos_id, torch.device(device))
         self.block_manager = BlockSpaceManager(self.worker.num_blocks, config.block_size, config.watermark,
                                                config.enable_prefix_caching)
-        decoder = self.worker.decoder
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.num_decode_steps, config.first_window_tokens,
-                                   text_windows=decoder is not None and decoder.text_windows)
+                                   config.num_decode_steps, config.first_window_tokens)
         self.requests: dict[str, SequenceGroup] = {}
         self._aborted: list[RequestOutput] = []
         pipeline = config.pipeline_decode

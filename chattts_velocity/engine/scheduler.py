@@ -37,8 +37,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_steps: int = 1
-    """Decode steps to run: > 1 only when every sequence decodes a token of one mode (audio; text where text
-    windows are on) and has blocks for them."""
+    """Decode steps to run: > 1 only when every sequence decodes a token of one mode (audio or text) and has
+    blocks for them."""
 
     @property
     def num_tokens(self) -> int:
@@ -47,14 +47,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_decode_steps: int = 1, first_window_tokens: int = 0, text_windows: bool = False):
+                 num_decode_steps: int = 1, first_window_tokens: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_decode_steps = num_decode_steps
         self.first_window_tokens = first_window_tokens
-        self.text_windows = text_windows
-        """Text (refine) batches also decode in windows (the decoder runs them: on CPU so far)."""
+        self._text_turn = False
+        """Which mode's decodes a step of mixed audio and text decodes keeps (see ``_one_mode``)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.suspects: set[int] = set()
@@ -72,16 +72,26 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        if self.num_decode_steps > 1 and out.scheduled and self._one_window(out.scheduled):
-            self._reserve_window(out)
+        if self.num_decode_steps > 1 and out.scheduled:
+            self._one_mode(out)
+            if self._one_window(out.scheduled):
+                self._reserve_window(out)
         return out
 
+    def _one_mode(self, out: SchedulerOutput) -> None:
+        """A step of nothing but decodes, audio and text (refine) mixed, keeps one mode's, audio and text in
+        turn: either runs as a window, where the mixed step would run one step for everybody. The others stay
+        running with their next token's slot already reserved."""
+        if not all(_is_decode(item) for item in out.scheduled):
+            return
+        modes = {item.seq.text_mode for item in out.scheduled}
+        if len(modes) == 2:
+            self._text_turn = not self._text_turn
+            out.scheduled = [item for item in out.scheduled if item.seq.text_mode == self._text_turn]
+
     def _one_window(self, scheduled: list[ScheduledSeq]) -> bool:
-        """Every sequence decodes one token it generated itself, all in the same mode: audio, or text where
-        text windows are on."""
+        """Every sequence decodes one token it generated itself, all in the same mode (audio or text)."""
         text = scheduled[0].seq.text_mode
-        if text and not self.text_windows:
-            return False
         return all(_is_decode(item) and item.seq.text_mode == text for item in scheduled)
 
     def _reserve_window(self, out: SchedulerOutput) -> None:

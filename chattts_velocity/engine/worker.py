@@ -39,10 +39,11 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks, config.block_size,
                     self.num_blocks * self._block_bytes(config, gcfg) / 2**30, config.dtype)
         sampler = Sampler(gpt.embed, gcfg.num_vq, gcfg.eos_code, text_eos_id)
-        self.runner = ModelRunner(gpt, self.core, self.kv_caches, config.block_size, spk_emb_id, sampler, device)
+        use_graphs = device.type == "cuda" and not config.enforce_eager
+        self.runner = ModelRunner(gpt, self.core, self.kv_caches, config.block_size, spk_emb_id, sampler, device,
+                                  gcfg.max_position_embeddings, use_graphs)
         self.decoder = None
         if config.num_decode_steps > 1:
-            use_graphs = device.type == "cuda" and not config.enforce_eager
             self.decoder = MultiStepDecoder(gpt, self.core, self.kv_caches, sampler, config.block_size,
                                             config.max_num_seqs,
                                             config.num_decode_steps, gcfg.max_position_embeddings, device,
