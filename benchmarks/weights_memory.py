@@ -6,6 +6,7 @@ read again on the reference path's first use.
 
     python benchmarks/weights_memory.py
     python benchmarks/weights_memory.py --engine-dtype float16
+    python benchmarks/weights_memory.py --device cuda --engine-dtype float16   (GPU memory allocated by torch)
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import argparse
 import gc
 import resource
 import time
+
+import torch
 
 from chattts_velocity import Chat
 
@@ -35,24 +38,30 @@ def resident_mib() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     chat = Chat()
-    chat.load(load_format="dummy", device="cpu", num_kv_blocks=16, engine_dtype=args.engine_dtype)
+    chat.load(load_format="dummy", device=args.device, num_kv_blocks=16, engine_dtype=args.engine_dtype)
     gc.collect()
+    cuda = torch.device(args.device).type == "cuda"
+
+    def gpu_mib() -> str:
+        return f"; GPU memory allocated {torch.cuda.memory_allocated() / 2**20:.0f} MiB" if cuda else ""
+
     core = chat.engine.engine.worker.core
     core_tensors = [t for layer in core.layers for t in vars(layer).values()] + [core.norm]
     hf_tensors = list(chat.model.gpt.llama.parameters())
     mib = 2**20
     print(f"engine {args.engine_dtype}: resident {resident_mib():.0f} MiB; engine core "
           f"{distinct_bytes(core_tensors) / mib:.0f} MiB, transformers layers {distinct_bytes(hf_tensors) / mib:.0f} "
-          f"MiB, both together {distinct_bytes(core_tensors + hf_tensors) / mib:.0f} MiB")
+          f"MiB, both together {distinct_bytes(core_tensors + hf_tensors) / mib:.0f} MiB{gpu_mib()}")
     if chat.model.gpt.llama_released:
         start = time.perf_counter()
         chat.model.gpt.ensure_llama()  # what the first use_velocity=False call does
         gc.collect()
         print(f"  the reference weights read again in {time.perf_counter() - start:.1f} s: resident "
               f"{resident_mib():.0f} MiB, transformers layers "
-              f"{distinct_bytes(chat.model.gpt.llama.parameters()) / mib:.0f} MiB")
+              f"{distinct_bytes(chat.model.gpt.llama.parameters()) / mib:.0f} MiB{gpu_mib()}")
 
 
 if __name__ == "__main__":

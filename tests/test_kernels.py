@@ -225,7 +225,51 @@ def _check_qkv_rotary(dtype: torch.dtype, device: str, m: int, k: int, heads: tu
     assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[untouched], k_ref.view(-1, kv_heads, head_dim)[untouched])
 
 
+def _check_step_inputs(dtype: torch.dtype, device: str, b: int, q: int, vocab: int, hidden: int,
+                       block_size: int) -> None:
+    """The step's embedding (float32 table summed, rounded to ``dtype``), KV slots (-1 past a row's limit),
+    rotary positions (clamped to the table) and context lengths."""
+    width = 5
+    tokens = torch.randint(0, vocab, (b, q + 1))[:, :q].to(device)  # a row-strided view, as the state buffer is
+    table = _randn(q * vocab, hidden, dtype=torch.float32, device=device)
+    positions = torch.randint(0, width * block_size + 8, (b,))
+    positions[0] = 4095  # past the rotary table of 4095 positions below
+    limit = positions + torch.tensor([1, 0, 5])[torch.arange(b) % 3]  # limit == position: no KV write
+    tables = torch.randperm(40)[: b * width].view(b, width).to(torch.int32)
+    args = (tokens, table, vocab, positions.to(device), limit.to(device), tables.to(device), block_size, 4095,
+            dtype)
+    emb, slots, rope, ctx = K.step_inputs(*args)
+    emb_ref, slots_ref, rope_ref, ctx_ref = K.step_inputs_ref(*args)
+    _assert_close(emb, emb_ref, dtype)
+    assert emb.dtype == dtype and torch.equal(slots, slots_ref) and torch.equal(rope, rope_ref)
+    assert torch.equal(ctx, ctx_ref) and ctx.dtype == torch.int32
+    assert (slots_ref >= 0).any() and (rope_ref == 4094).any() and (b < 2 or (slots_ref == -1).any())
+
+
+def _check_step_outputs(dtype: torch.dtype, device: str, b: int, q: int, hidden: int, text: bool) -> None:
+    """The step's records and state updates; ``text``: one sampling row a sequence, its token repeated over
+    the Q columns (an expanded view)."""
+    steps, b_max, width = 3, b + 2, 16
+    rows = b if text else b * q
+    flat = torch.randint(0, 600, (rows,)).to(device)
+    step_tokens = flat[:, None].expand(b, q) if text else flat.view(b, q)
+    hid = _randn(b, hidden, dtype=torch.float32, device=device)
+    state = dict(out_tokens=torch.randint(0, 9, (steps, b_max, q)), out_hidden=torch.randn(steps, b_max, hidden),
+                 step_out=torch.tensor(1), tokens=torch.randint(0, 9, (b_max, q)),
+                 history=torch.randint(-1, 600, (b_max * q, width)), step=torch.randint(0, 50, (b_max * q,)),
+                 positions=torch.randint(0, 90, (b_max,)))
+    state = {k: v.to(device) for k, v in state.items()}
+    ref = {k: v.clone() for k, v in state.items()}
+    K.step_outputs(step_tokens, flat, hid, **state)
+    K.step_outputs_ref(step_tokens, flat, hid, **ref)
+    for name in state:
+        assert torch.equal(state[name], ref[name]), f"{name} differs"
+    assert torch.equal(ref["history"][:rows, -1], flat) and torch.equal(ref["out_tokens"][1, :b], step_tokens)
+
+
 CHECKS = {
+    "step_inputs": _check_step_inputs,
+    "step_outputs": _check_step_outputs,
     "rms_norm": _check_rms_norm,
     "apply_rotary": _check_apply_rotary,
     "silu_and_mul": _check_silu_and_mul,
@@ -309,6 +353,10 @@ def _qkv_rotary(name: str, m: int, k: int, heads: tuple[int, int], head_dim: int
 
 
 INTERPRETER_CASES = _cases(("fp32", "fp16"), [
+    ("step_inputs", "b1_q4", dict(b=1, q=4, vocab=7, hidden=40, block_size=4)),
+    ("step_inputs", "b3_text_q1", dict(b=3, q=1, vocab=11, hidden=32, block_size=16)),
+    ("step_outputs", "b1_audio", dict(b=1, q=4, hidden=40, text=False)),
+    ("step_outputs", "b3_text", dict(b=3, q=4, hidden=32, text=True)),
     _norm("n1_h40", 1, 40),
     _norm("n3_h72_residual", 3, 72, residual=True),
     _norm("n17_h40_residual", 17, 40, residual=True),
@@ -348,6 +396,10 @@ INTERPRETER_CASES = _cases(("fp32", "fp16"), [
 _LENS = [1, 15, 16, 17, 500, 1000, 2000]
 _RANDOM_LENS = torch.randint(1, 2001, (256,), generator=torch.Generator().manual_seed(1)).tolist()
 GPU_CASES = _cases(("fp32", "fp16", "bf16"), [
+    ("step_inputs", "b1_model", dict(b=1, q=4, vocab=626, hidden=768, block_size=16)),
+    ("step_inputs", "b256_text", dict(b=256, q=1, vocab=21178, hidden=768, block_size=16)),
+    ("step_outputs", "b1_audio_model", dict(b=1, q=4, hidden=768, text=False)),
+    ("step_outputs", "b256_text_model", dict(b=256, q=4, hidden=768, text=True)),
     _norm("n1_h768", 1, 768),
     _norm("n33_h768_residual", 33, 768, residual=True),
     _norm("n2000_h768_residual", 2000, 768, residual=True),
@@ -436,7 +488,7 @@ def test_triton_interpreter_matches_reference(case: Case, interpreter_results: d
 def test_interpreter_ran_every_triton_module(interpreter_results: dict) -> None:
     """Guards against the cases silently comparing the reference with itself."""
     modules = {"norm", "rotary", "activation", "kv_cache", "rotary_store_kv", "decode", "prefill", "linear",
-               "gemv"}
+               "gemv", "step_io"}
     ran = {name.rsplit(".", 1)[1] for name in interpreter_results["triton_modules"]}
     assert modules <= ran, f"never ran on Triton: {modules - ran}"
 

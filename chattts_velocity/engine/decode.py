@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..kernels.sampling import WindowSampler
 from ..model.llama import AttentionMetadata, LlamaCore
 from .sampler import RowParams, Sampler, row_params, sample_rows
@@ -80,9 +81,10 @@ class MultiStepDecoder:
         self._next_host = 0
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         """The captured step of each (batch bucket, text mode)."""
-        if device.type == "cpu":
-            with torch.no_grad():
-                self._code_table, self._code_offsets = gpt.embed.fuse_code_tables()  # [Q * V, H], [Q]
+        with torch.no_grad():
+            self._code_table, self._code_offsets = gpt.embed.fuse_code_tables()  # [Q * V, H], [Q]
+        self._code_vocab = gpt.embed.emb_code[0].num_embeddings
+        self._text_table = gpt.embed.emb_text.weight.detach()  # [V_text, H]
         if use_cuda_graph:
             self._capture_all()
 
@@ -109,30 +111,25 @@ class MultiStepDecoder:
 
     # ---------------------------------------------------------------- one step (captured or eager)
     def _step(self, b: int, text: bool = False) -> None:
-        s, bs = self.state, self.block_size
-        rows = b if text else b * self.num_vq
+        s, q = self.state, self.num_vq
+        rows = b if text else b * q
         p = s.params
-        pos = s.positions[:b]
-        emb = self.gpt.embed.embed_step(s.tokens[:b, None], text_mode=text)[:, 0]  # [b, H]
-        blocks = s.block_tables[:b].gather(1, (pos // bs).clamp(max=s.block_tables.size(1) - 1)[:, None])[:, 0]
-        slots = torch.where(pos < s.limit[:b], blocks.to(torch.int64) * bs + pos % bs, -1)
-        rope_pos = pos.clamp(max=self.max_model_len - 1)  # steps past a row's end must stay in the rotary table
+        # one launch each for what the step does around the layers (embedding, slots, state updates)
+        table, vocab = (self._text_table, self._text_table.size(0)) if text else (self._code_table, self._code_vocab)
+        emb, slots, rope_pos, context_lens = kernels.step_inputs(
+            s.tokens[:b, :1] if text else s.tokens[:b], table, vocab, s.positions[:b], s.limit[:b],
+            s.block_tables[:b], self.block_size, self.max_model_len, self.core.dtype)
         meta = AttentionMetadata(positions=rope_pos, slot_mapping=slots, cu_seqlens_q=s.positions[:0],
-                                 context_lens=(rope_pos + 1).to(torch.int32), block_tables=s.block_tables[:b],
-                                 decode_only=True)
+                                 context_lens=context_lens, block_tables=s.block_tables[:b], decode_only=True)
         hidden = self.core.forward(emb, meta, self.kv_caches).float()  # [b, H]
         if text:
             tok = sample_rows(self.sampler.text_logits(hidden), p.rows(rows), self.sampler.text_eos)  # [b]
-            step_tokens = tok[:, None].expand(b, self.num_vq)
+            step_tokens = tok[:, None].expand(b, q)
         else:
             tok = sample_rows(self.sampler.code_logits(hidden), p.rows(rows), self.eos)  # [b*Q]
-            step_tokens = tok.view(b, self.num_vq)
-        s.out_tokens[:, :b].index_copy_(0, s.step_out[None], step_tokens[None])
-        s.out_hidden[:, :b].index_copy_(0, s.step_out[None], hidden[None])
-        s.tokens[:b].copy_(step_tokens)
-        p.history[:rows].copy_(torch.cat([p.history[:rows, 1:], tok[:, None]], 1))
-        p.step[:rows] += 1
-        s.positions[:b] += 1
+            step_tokens = tok.view(b, q)
+        kernels.step_outputs(step_tokens, tok, hidden, s.out_tokens, s.out_hidden, s.step_out, s.tokens,
+                             p.history, p.step, s.positions)
         s.step_out += 1
 
     def _run_cpu(self, b: int, num_steps: int, text: bool = False) -> None:

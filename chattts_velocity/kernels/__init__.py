@@ -32,6 +32,7 @@ from .rotary import (
     rotary_store_kv_ref,
 )
 from .sampling import sample_rows_fused, sample_rows_fused_ref
+from .step_io import step_inputs, step_inputs_ref, step_outputs, step_outputs_ref
 
 __all__ = [
     "MAX_FUSED_ROWS",
@@ -54,6 +55,10 @@ __all__ = [
     "sample_rows_fused_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "step_inputs",
+    "step_inputs_ref",
+    "step_outputs",
+    "step_outputs_ref",
     "store_kv",
     "store_kv_ref",
     "use_triton",
