@@ -235,7 +235,7 @@ def _check_step_inputs(dtype: torch.dtype, device: str, b: int, q: int, vocab: i
     positions = torch.randint(0, width * block_size + 8, (b,))
     positions[0] = 4095  # past the rotary table of 4095 positions below
     limit = positions + torch.tensor([1, 0, 5])[torch.arange(b) % 3]  # limit == position: no KV write
-    tables = torch.randperm(40)[: b * width].view(b, width).to(torch.int32)
+    tables = torch.randperm(max(40, b * width))[: b * width].view(b, width).to(torch.int32)
     args = (tokens, table, vocab, positions.to(device), limit.to(device), tables.to(device), block_size, 4095,
             dtype)
     emb, slots, rope, ctx = K.step_inputs(*args)
