@@ -180,7 +180,10 @@ def test_mp3_needs_a_libsndfile_that_writes_it(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_keeps_what_is_written_and_says_how_to_resume(upstream_ckpt, chat, tmp_path):
-    write_lines(tmp_path / "in.txt", [f"line {spelled(i)} to speak slowly" for i in range(1, 301)])
+    # enough lines that the run is still going when the test sees its first five: a CI box ran 300 of them in
+    # 3.3 s, before this process had read the manifest once more
+    count = 1000
+    write_lines(tmp_path / "in.txt", [f"line {spelled(i)} to speak slowly" for i in range(1, count + 1)])
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "chattts_velocity.cli", "synth", str(tmp_path / "in.txt"), "-o", str(out),
            "--model", upstream_ckpt, "--device", "cpu", "--no-refine", "--max-new-token", str(TOKENS),
@@ -199,9 +202,9 @@ def test_ctrl_c_keeps_what_is_written_and_says_how_to_resume(upstream_ckpt, chat
     assert proc.returncode == 130, err
     assert "run the same command again to resume" in err
     first = manifest(out)
-    assert 5 <= len(first) < 300
+    assert 5 <= len(first) < count
     assert audio_files(out) == {e["file"] for e in first}
 
     again = synth(chat, str(tmp_path / "in.txt"), config(out))
-    assert again.skipped == len(first) and len(again.written) == 300 - len(first)
-    assert sorted(e["line"] for e in manifest(out)) == list(range(1, 301))
+    assert again.skipped == len(first) and len(again.written) == count - len(first)
+    assert sorted(e["line"] for e in manifest(out)) == list(range(1, count + 1))
