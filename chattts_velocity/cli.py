@@ -13,6 +13,9 @@ from . import __version__
 from .bench.cli import add_bench_parser
 from .config import SAMPLE_RATE, SAMPLES_PER_TOKEN
 
+SERVE_WINDOW_TOKENS = 2048
+"""``serve``'s default ``EngineConfig.max_window_tokens`` (a provisional value, measured below in the README)."""
+
 
 def _say(args: argparse.Namespace) -> int:
     import numpy as np
@@ -95,7 +98,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = _server_config(args)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     engine = dict(max_num_seqs=args.max_num_seqs or config.max_concurrent * config.in_flight_sentences,
-                  kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype or ("float16" if cuda else "float32"))
+                  kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype or ("float16" if cuda else "float32"),
+                  max_window_tokens=_window_tokens(args))
     chat = _load(args, **engine)
     print(f"serving on http://{args.host}:{args.port} (OpenAI /v1/audio/speech)", flush=True)
     return serve(chat, config, host=args.host, port=args.port, log_level=args.log_level)
@@ -111,6 +115,11 @@ def _server_config(args: argparse.Namespace):
     )
 
 
+def _window_tokens(args: argparse.Namespace) -> int | None:
+    """``serve --max-window-tokens``: 0 means no cap."""
+    return args.max_window_tokens or None
+
+
 def _scaled(args: argparse.Namespace) -> bool:
     return any(v is not None for v in (args.replicas, args.min_replicas, args.max_replicas, args.ray_address))
 
@@ -122,7 +131,7 @@ def _scale_settings(args: argparse.Namespace):
 
     config = _server_config(args)
     load = dict(_weights(args), max_num_seqs=args.max_num_seqs or config.max_concurrent * config.in_flight_sentences,
-                kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype)
+                kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype, max_window_tokens=_window_tokens(args))
     gpus = args.gpus_per_replica if args.gpus_per_replica is not None else 0 if args.device == "cpu" else 1
     scale = ScaleConfig(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                         gpus_per_replica=gpus, ray_address=args.ray_address, host=args.host, port=args.port)
@@ -175,6 +184,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--kv-cache-gib", type=float, default=None, help="engine: KV cache size")
     s.add_argument("--engine-dtype", default=None, choices=["float16", "bfloat16", "float32"],
                    help="engine dtype (default: float16 on CUDA, float32 on CPU)")
+    s.add_argument("--max-window-tokens", type=int, default=SERVE_WINDOW_TOKENS,
+                   help="engine: most tokens (steps x sequences) per multi-step decode window, so arriving "
+                        f"requests wait less under load (default: {SERVE_WINDOW_TOKENS}; 0: no cap)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r = s.add_argument_group("replicas (Ray Serve: pip install \"chattts-velocity[scale]\")",
                              "--replicas, --min/--max-replicas or --ray-address serve through Ray Serve: one engine "

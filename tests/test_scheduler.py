@@ -196,3 +196,23 @@ def test_mixed_audio_and_text_decodes_take_turns_in_windows():
             item.seq.extend([(7,) * 4] * out.num_steps)
     assert turns == [(["t"], 8), (["a0", "a1"], 8), (["t"], 8), (["a0", "a1"], 8)]
     assert all(len(seq.block_table) == bm.blocks_for(len(seq)) for seq in (*audio, text))
+
+
+def test_max_window_tokens_shortens_the_windows_of_large_batches():
+    """steps x sequences stays within max_window_tokens (never fewer than 2 steps, never more than
+    num_decode_steps); without the cap every batch runs num_decode_steps."""
+
+    def window_after_prefill(batch: int, cap):
+        bm = BlockSpaceManager(4096, 4, 0.0)
+        sched = Scheduler(bm, 64, 4096, num_decode_steps=32, max_window_tokens=cap)
+        for i in range(batch):
+            sched.add(make_seq(5, request_id=f"r{i}", max_new=200))
+        run_step(sched)  # the prefills
+        out = sched.schedule()
+        assert len(out.scheduled) == batch
+        return out.num_steps
+
+    assert [window_after_prefill(n, None) for n in (1, 8, 40)] == [32, 32, 32]
+    assert [window_after_prefill(n, 128) for n in (1, 4, 8, 40, 64)] == [32, 32, 16, 3, 2]
+    sched = Scheduler(BlockSpaceManager(16, 4, 0.0), 8, 64, num_decode_steps=8, max_window_tokens=100)
+    assert [sched.window_steps(n) for n in (1, 12, 13, 50, 51, 1000)] == [8, 8, 7, 2, 2, 2]

@@ -35,6 +35,12 @@ class EngineConfig:
     between them); 1 schedules every step. No window runs past every sequence's length limit, but a sequence
     that ends by EOS may compute up to this many unused steps, and a new request waits for the running window
     (two with ``pipeline_decode``)."""
+    max_window_tokens: int | None = None
+    """Most tokens one decode window computes (steps x sequences): a larger batch runs shorter windows, never
+    fewer than 2 steps nor more than ``num_decode_steps``. A request that arrives while a window runs waits for
+    it, so under a server's load (hundreds of sequences, a few ms a step) a 32-step window is a wait of a
+    tenth of a second or more; capping the tokens caps that wait at about the time a few thousand tokens take.
+    None: always ``num_decode_steps`` (best throughput)."""
     first_window_tokens: int = 16
     """A batch holding a sequence with fewer generated tokens than this runs a window that is just long enough
     to bring it there, so a stream's first audio (``StreamConfig.first_chunk + lookahead`` tokens, 16 by
@@ -52,6 +58,8 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("num_decode_steps", self.num_decode_steps)
+        if self.max_window_tokens is not None:
+            _positive("max_window_tokens", self.max_window_tokens)
         if not isinstance(self.first_window_tokens, int) or self.first_window_tokens < 0:
             raise ValueError(f"first_window_tokens must be an int >= 0, got {self.first_window_tokens!r}")
         if self.num_kv_blocks is not None:

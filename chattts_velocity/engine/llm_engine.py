@@ -58,7 +58,7 @@ class LLMEngine:
         self.block_manager = BlockSpaceManager(self.worker.num_blocks, config.block_size, config.watermark,
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.num_decode_steps, config.first_window_tokens)
+                                   config.num_decode_steps, config.first_window_tokens, config.max_window_tokens)
         self.requests: dict[str, SequenceGroup] = {}
         self._aborted: list[RequestOutput] = []
         pipeline = config.pipeline_decode
@@ -288,7 +288,8 @@ class LLMEngine:
         free blocks for everyone's next window (counted past ``window``'s tokens, which are not appended yet).
         A sequence that ends by EOS inside ``window`` computes the queued window in vain; its tokens are
         dropped and the pipeline stops there."""
-        sched, bm, k = self.scheduler, self.block_manager, self.config.num_decode_steps
+        sched, bm = self.scheduler, self.block_manager
+        k = sched.window_steps(len(window.seqs))
         if not self._pipeline or sched.waiting or len(sched.running) != len(window.seqs):
             return None
         if window.num_steps < k:  # a short first window is there for latency: report it before queuing more

@@ -47,12 +47,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_decode_steps: int = 1, first_window_tokens: int = 0):
+                 num_decode_steps: int = 1, first_window_tokens: int = 0, max_window_tokens: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_decode_steps = num_decode_steps
         self.first_window_tokens = first_window_tokens
+        self.max_window_tokens = max_window_tokens
         self._text_turn = False
         """Which mode's decodes a step of mixed audio and text decodes keeps (see ``_one_mode``)."""
         self.waiting: deque[Sequence] = deque()
@@ -94,10 +95,18 @@ class Scheduler:
         text = scheduled[0].seq.text_mode
         return all(_is_decode(item) and item.seq.text_mode == text for item in scheduled)
 
+    def window_steps(self, batch: int) -> int:
+        """Steps of a full decode window of ``batch`` sequences: ``num_decode_steps``, fewer where
+        ``max_window_tokens`` caps steps x batch (never fewer than 2)."""
+        k = self.num_decode_steps
+        if self.max_window_tokens is not None:
+            k = min(k, max(2, self.max_window_tokens // batch))
+        return k
+
     def _reserve_window(self, out: SchedulerOutput) -> None:
-        """Give every sequence blocks for ``num_decode_steps`` tokens (fewer near its length limit), or keep
-        the single step if any lacks them: a longer window never preempts anybody."""
-        bm, k = self.block_manager, self.num_decode_steps
+        """Give every sequence blocks for ``window_steps`` tokens (fewer near its length limit), or keep the
+        single step if any lacks them: a longer window never preempts anybody."""
+        bm, k = self.block_manager, self.window_steps(len(out.scheduled))
         youngest = min(s.seq.num_generated for s in out.scheduled)
         text = out.scheduled[0].seq.text_mode
         if youngest < self.first_window_tokens and not text:  # a short window brings it to its first audio sooner
