@@ -20,12 +20,12 @@ echo "server healthy after ${SECONDS}s"
 chattts-velocity bench serve --url "http://127.0.0.1:$PORT" --streams $STREAMS --requests-per-stream 2 \
     --json "$OUT/bench_serve.json" --plot "$OUT/bench_serve.png"
 rc=$?
-if [ -n "${PROFILE:-}" ]; then  # where the server's time goes at 256 streams: samples of the GIL holder
-    chattts-velocity bench serve --url "http://127.0.0.1:$PORT" --streams 256 --requests-per-stream 1 \
+if [ -n "${PROFILE:-}" ]; then  # where the server's CPU goes at $PROFILE streams: samples of running threads
+    chattts-velocity bench serve --url "http://127.0.0.1:$PORT" --streams "$PROFILE" --requests-per-stream 4 \
         --json "$OUT/bench_serve_profiled.json" > "$OUT/profiled.txt" 2>&1 &
     BENCH=$!
-    sleep 4
-    py-spy record --gil --threads -r 100 -d 10 -f raw -o "$OUT/gil.txt" --pid $SERVER > /dev/null 2>&1
+    sleep 3
+    py-spy record --threads -r 200 -d 8 -f raw -o "$OUT/cpu.txt" --pid $SERVER > /dev/null 2>&1
     py-spy dump --pid $SERVER > "$OUT/dump.txt" 2>&1
     wait $BENCH
 fi

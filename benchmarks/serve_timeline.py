@@ -76,6 +76,16 @@ def instrument(chat):
         log["decodes"].append((t0, time.perf_counter(), len(windows), lengths))
         return out
 
+    to_wavs = pump.audio.to_wavs
+    log["to_wavs"] = []
+
+    def timed_to_wavs(results, *args, **kw):
+        t0 = time.perf_counter()
+        out = to_wavs(results, *args, **kw)
+        log["to_wavs"].append((len(results), results[0].shape[0] if results else 0, time.perf_counter() - t0))
+        return out
+
+    pump.audio.to_wavs = timed_to_wavs
     llm.step, pump.wake, pump.decode, llm.worker.launch_window = timed_step, timed_wake, timed_decode, counted_launch
     return log
 
@@ -199,6 +209,11 @@ def engine_thread(log, wall: float) -> dict:
         "distinct_lengths_per_call_set": round(np.mean([len(ls) for *_, ls in decodes]), 2) if decodes else 0,
         "rounds_with_decode": rounds_with_decode,
         "mean_batch": round(float(np.mean([r for *_, r, _, _ in steps])), 1) if steps else 0,
+        "to_wavs_calls": len(log["to_wavs"]),
+        "to_wavs_s": round(sum(t for *_, t in log["to_wavs"]), 3),
+        "to_wavs_ms_p50_by_batch (<=8, <=32, >32)": [
+            round(1e3 * float(np.median(ts)), 2) if (ts := [t for b, _, t in log["to_wavs"] if lo < b <= hi]) else None
+            for lo, hi in ((0, 8), (8, 32), (32, 10**9))],
         "step_parts_s": {k: round(v[0], 3) for k, v in log["parts"].items()},
         "slowest_other_steps (s, window, outputs, waiting, running, prompt tokens)":
             [(round(d, 4), w, n, wt, r, pt) for d, w, n, wt, r, pt in slow],
@@ -273,8 +288,11 @@ def main() -> None:
                     help="with --http: client processes the bench splits the load over (several values: each compared)")
     ap.add_argument("--http", action="store_true",
                     help="serve the engine over HTTP in this process and drive it with `bench serve` instead")
+    ap.add_argument("--max-window-tokens", type=int, default=None,
+                    help="the engine's max_window_tokens (default: none, as Chat.load)")
     args = ap.parse_args()
     chat = load_chat(StreamBenchConfig(size=args.size), max(args.streams) * 4)
+    chat.engine.engine.scheduler.max_window_tokens = args.max_window_tokens
     log = instrument(chat)
     level(chat, log, 2, 1, 64)  # warm-up
     if args.http:

@@ -94,23 +94,33 @@ def windows_probe(model, modes, distinct: torch.Tensor, lengths: list[int], repe
     """Stream-window shapes: wall ms of ``AudioDecoder.to_wavs`` (what a pump round calls, TF32, on the
     decoder's side stream, to numpy) and device ms of each mode's parts, per batch of windows."""
     dec = AudioDecoder(model.dvae, model.decoder, model.vocos, "cuda")
-    print(f"\n{'windows':>7s} {'W':>3s} {'to_wavs wall':>12s}  " + "  ".join(f"{m.name:>14s}" for m in modes))
+    graphed = AudioDecoder(model.dvae, model.decoder, model.vocos, "cuda")
+    t = time.perf_counter()
+    graphed.use_graphs(lengths, capture=True)
+    print(f"\ncaptured {len(graphed.graphs._graphs)} window-decode graphs in {time.perf_counter() - t:.1f} s")
+    print(f"{'windows':>7s} {'W':>3s} {'to_wavs wall':>12s} {'graph wall':>10s} {'graph diff':>10s}  "
+          + "  ".join(f"{m.name:>14s}" for m in modes))
     for w in lengths:
         for b in (1, 8, 32, 64, 128, 256):
             rows = [distinct[i % distinct.shape[0], (i * 7) % (distinct.shape[1] - w):][:w] for i in range(b)]
             batch = torch.stack(rows)
-            walls = []
+            walls, graph_walls = [], []
             for _ in range(repeats + 1):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                with dec.stream():
-                    dec.to_wavs(rows, True)
-                walls.append((time.perf_counter() - t) * 1e3)
+                for d, store in ((dec, walls), (graphed, graph_walls)):
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    with d.stream():
+                        out = d.to_wavs(rows, True)
+                    store.append((time.perf_counter() - t) * 1e3)
+                    if d is dec:
+                        eager = out
+            diff = float(abs(out - eager).max() / max(abs(eager).max(), 1e-9))
             devs = []
             for m in modes:
                 ts = [sum(m.parts(batch, None)[1]) for _ in range(repeats + 1)]
                 devs.append(statistics.median(ts[1:]))
-            print(f"{b:7d} {w:3d} {statistics.median(walls[1:]):12.2f}  "
+            print(f"{b:7d} {w:3d} {statistics.median(walls[1:]):12.2f} {statistics.median(graph_walls[1:]):10.2f} "
+                  f"{diff:10.1e}  "
                   + "  ".join(f"{d:14.2f}" for d in devs), flush=True)
 
 

@@ -71,6 +71,7 @@ class VelocityPath:
         self.model = model
         self.audio = audio
         self.stream_config = stream_config
+        audio.use_graphs(stream_config.window_lengths())  # CUDA only; each graph is captured at first use
         self.pump = AudioPump(audio, round_interval_s=AUDIO_ROUND_S)
         """Decodes the stream windows of all concurrent calls together, between engine steps (paced: a round
         that decodes only later chunks comes at most every ``pump.round_interval_s``)."""

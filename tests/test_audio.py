@@ -264,3 +264,37 @@ def test_full_size_configs_round_trip():
     assert vocos_state_dict_config(vocos.state_dict()) == dict(
         input_channels=100, dim=512, intermediate_dim=1536, num_layers=8, n_fft=1024, hop_length=256
     )
+
+
+@pytest.mark.parametrize("frames", [2, 7, 96])
+def test_istft_center_equals_torch_istft(frames):
+    """The graph-safe iSTFT (no host-side check) computes what Vocos's torch.istft(center=True) does."""
+    from chattts_velocity.audio.graphs import istft_center, window_envelope
+
+    n_fft, hop = 1024, 256
+    gen = torch.Generator().manual_seed(frames)
+    spec = torch.complex(torch.randn(3, n_fft // 2 + 1, frames, generator=gen),
+                         torch.randn(3, n_fft // 2 + 1, frames, generator=gen))
+    window = torch.hann_window(n_fft)
+    ref = torch.istft(spec, n_fft, hop, n_fft, window, center=True)
+    for envelope in (None, window_envelope(window, frames, hop)):
+        got = istft_center(spec, n_fft, hop, window, envelope)
+        assert got.shape == ref.shape == (3, hop * (frames - 1))
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_graph_decode_function_equals_the_eager_decode(ours):
+    """``decode_wav`` (what the CUDA graphs capture) equals Decoder + Vocos.decode on the tiny checkpoint."""
+    from chattts_velocity.audio.graphs import decode_wav
+
+    x = torch.randn(3, 2 * ours.decoder.config.decoder.idim, 16, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = ours.vocos.decode(ours.decoder.decode(x))
+        got = decode_wav(ours.decoder, ours.vocos, x)
+    assert got.shape == ref.shape == (3, 31 * 256)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_use_graphs_is_a_no_op_off_cuda(ours):
+    ours.use_graphs((16, 48), capture=True)
+    assert ours.graphs is None

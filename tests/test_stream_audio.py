@@ -401,3 +401,16 @@ def test_paced_rounds_hold_later_chunks_but_never_a_first_or_last_one(chat):
     assert not pump._feeds and not pump._marked
     with pytest.raises(ValueError, match="round_interval_s"):
         AudioPump(chat.audio, round_interval_s=-1)
+
+
+@pytest.mark.parametrize(
+    "config", [DEFAULT, EXACT, StreamConfig(0, 0), StreamConfig(3, 0), StreamConfig(5, 1, first_chunk=1, chunk=1),
+               StreamConfig(4, 2, first_chunk=30, chunk=10)], ids=str)
+def test_window_lengths_are_those_of_every_window_but_the_last(config):
+    """``StreamConfig.window_lengths`` (the lengths that get CUDA graphs) lists exactly the lengths of the
+    windows a long stream decodes before it ends."""
+    stream, seen = AudioStream(config), []
+    for _ in range(400):
+        stream.push(torch.zeros(1, 4, dtype=torch.long))
+        seen += [w.tokens.shape[0] for w in stream.ready()]
+    assert list(dict.fromkeys(seen)) == list(config.window_lengths())

@@ -12,6 +12,7 @@ from torch import Tensor
 from vocos import Vocos
 
 from .dvae import DVAE
+from .graphs import DecodeGraphs
 
 
 def _to_host(x: Tensor) -> np.ndarray:
@@ -44,6 +45,20 @@ class AudioDecoder:
         self.device = torch.device(device)
         self.tf32 = tf32
         self._side = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        self.graphs: DecodeGraphs | None = None
+        """CUDA graphs of the Decoder path for batches of stream windows (``use_graphs``); None: eager."""
+
+    def use_graphs(self, lengths, capture: bool = False) -> None:
+        """Decode batches of equal-length hidden-state windows of these lengths (tokens) by CUDA graph replay
+        (see ``audio.graphs``): on CUDA only, where the Decoder and Vocos share the device; ``capture``: capture
+        every bucket now rather than at first use (a capture synchronizes the device and collects garbage)."""
+        if self.device.type != "cuda" or next(self.vocos.parameters()).device != self.device:
+            return
+        if self.graphs is None or self.graphs.lengths != frozenset(lengths):
+            self.graphs = DecodeGraphs(self.decoder, self.vocos, self.device, lengths)
+        if capture:
+            with torch.inference_mode(), self._precision(self.tf32), self.stream():
+                self.graphs.capture(self.tf32)
 
     def stream(self) -> contextlib.AbstractContextManager:
         """Run the decodes of this block on the decoder's own high-priority CUDA stream (a no-op on the CPU).
@@ -62,7 +77,12 @@ class AudioDecoder:
         if not results:
             return np.array([], dtype=np.float32)
         batch = self._pad(results)  # [B, C, T]
-        with self._precision(self.tf32 if tf32 is None else tf32):
+        tf32 = self.tf32 if tf32 is None else tf32
+        graphs = self.graphs if use_decoder else None
+        if graphs is not None and graphs.bucket(*batch.shape[::2]) is not None and self._equal_lengths(results):
+            with self._precision(tf32):
+                return _to_host(graphs.run(batch, tf32))
+        with self._precision(tf32):
             mel = (self.decoder if use_decoder else self.dvae).decode(batch)  # [B, n_mels, 2T]
             vocos_device = next(self.vocos.parameters()).device
             wav = self.vocos.decode(mel.to(vocos_device))
@@ -107,6 +127,10 @@ class AudioDecoder:
             yield
         finally:
             matmul.fp32_precision, conv.fp32_precision = saved
+
+    @staticmethod
+    def _equal_lengths(results: list[Tensor]) -> bool:
+        return all(r.shape[0] == results[0].shape[0] for r in results)
 
     def _pad(self, results: list[Tensor]) -> Tensor:
         """Right-zero-pad [T_i, C] tensors into one [B, C, max T_i] batch on the device."""

@@ -41,6 +41,19 @@ class StreamConfig:
     grow up to it (each at most the tokens already emitted: 8, 8, 16, 24, ... by default), so a listener who
     starts playing at the first chunk never waits for the next while generation keeps up with real time."""
 
+    def window_lengths(self) -> tuple[int, ...]:
+        """Tokens of the windows a stream decodes before its last one (which is shorter or longer as the
+        stream ends): 16, 24, 40 and 48 by default, then 48 for every later chunk."""
+        lengths, start = [], 0
+        while True:
+            size = self.first_chunk if start == 0 else min(self.chunk, start)
+            n = min(start, self.left_context) + size + (self.lookahead or 1)  # lookahead 0: one zero token
+            if n not in lengths:
+                lengths.append(n)
+            if size == self.chunk and start >= self.left_context:
+                return tuple(lengths)
+            start += size
+
     def __post_init__(self) -> None:
         for name, low in (("left_context", 0), ("lookahead", 0), ("first_chunk", 1), ("chunk", 1)):
             value = getattr(self, name)

@@ -31,22 +31,30 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def warm_up(chat, streams: tuple[int, ...] = (1, 8), tokens: int = 64) -> None:
-    """Run a few short streams through the whole path (engine windows and CUDA graphs, the audio decoder's
-    shapes, the allocator) so that the first clients do not pay for it: on an H100 the first request after
-    start-up took 3.8 s to its first audio, the second 0.1 s."""
+def warm_up(chat, streams: tuple[int, ...] = (1, 8, 37), tokens: int = 64) -> None:
+    """Run short streams through the whole path (engine windows and CUDA graphs, the audio decoder's shapes,
+    the allocator) so that the first clients do not pay for it: on an H100 the first request after start-up
+    took 3.8 s to its first audio, the second 0.1 s. Each level starts its streams together, then again a
+    few ms apart (prefills beside running decodes). 37 streams: prefill steps of more sequences than the
+    prefill CUDA graphs hold run eagerly, and Triton compiles a kernel again for sizes that are not multiples
+    of 16 (with 1 and 8 streams only, the first steps of 29 arriving requests under `bench serve` took 1.1 s
+    each on an H100)."""
 
-    def one(seed: int) -> None:
+    def one(seed: int, delay: float) -> None:
+        time.sleep(delay)
         p = chat.InferCodeParams(max_new_token=tokens, min_new_token=tokens, manual_seed=seed, show_tqdm=False)
         for _ in chat._velocity.stream_joined(["Warming up."], p, use_decoder=True):
             pass
 
+    # the stream windows' decode graphs, every batch bucket (a capture at first use would stall a round)
+    chat.audio.use_graphs(chat._velocity.stream_config.window_lengths(), capture=True)
     for n in streams:
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for gap in (0.0, 0.003):
+            threads = [threading.Thread(target=one, args=(i, i * gap)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
 
 
 def serve(chat, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",

@@ -1,0 +1,120 @@
+"""CUDA graphs of the wav decode of stream windows: Decoder (hidden states -> mel) + Vocos (mel -> wav) over a
+batch of equal-length windows, one graph per (window length, batch bucket, TF32 setting).
+
+Why: eagerly, one decode call is a few hundred kernel launches, each a torch op that lets go of the GIL and
+must take it back. In the speech server the engine thread runs the audio rounds while the event loop and the
+request threads want the GIL too, so every launch could wait for it: a round took 26-61 ms on an H100 where
+the same call took 4-7 ms in a quiet process (`benchmarks/serve_timeline.py`, `benchmarks/wav_decode.py`).
+A replay is one launch.
+
+The graph computes exactly the eager ops, with one change: Vocos's "center" iSTFT (``torch.istft``, which checks
+the window envelope on the host and so cannot be captured) is written out as inverse FFT, overlap-add and the
+division by the window envelope (precomputed per length). Rows past a batch's size are zeros; each row of
+the decode is independent of the others (convolutions over time, per-frame linears).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from vocos import Vocos
+
+from .dvae import DVAE
+
+logger = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""Batch sizes a graph is captured for; a batch runs in the smallest bucket that holds it (larger: eagerly)."""
+
+
+def istft_center(spec: Tensor, n_fft: int, hop: int, window: Tensor, envelope: Tensor | None = None) -> Tensor:
+    """``torch.istft(spec, n_fft, hop, n_fft, window, center=True)`` for complex ``spec`` [B, n_fft/2+1, T] ->
+    [B, hop * (T - 1)], without the host-side envelope check (``envelope``: ``window_envelope``'s result, or
+    None to compute it here)."""
+    frames = torch.fft.irfft(spec, n_fft, dim=1, norm="backward") * window[None, :, None]  # [B, n_fft, T]
+    t = spec.shape[-1]
+    size = n_fft + hop * (t - 1)
+    wav = F.fold(frames, output_size=(1, size), kernel_size=(1, n_fft), stride=(1, hop))[:, 0, 0]  # [B, size]
+    if envelope is None:
+        envelope = window_envelope(window, t, hop)
+    pad = n_fft // 2
+    return wav[:, pad : size - pad] / envelope[pad : size - pad]
+
+
+def window_envelope(window: Tensor, frames: int, hop: int) -> Tensor:
+    """Overlap-added squared window of ``frames`` frames: [n_fft + hop * (frames - 1)]."""
+    n_fft = window.shape[0]
+    sq = window.square()[None, :, None].expand(1, n_fft, frames)
+    return F.fold(sq, output_size=(1, n_fft + hop * (frames - 1)), kernel_size=(1, n_fft), stride=(1, hop))[0, 0, 0]
+
+
+def decode_wav(decoder: DVAE, vocos: Vocos, x: Tensor, envelope: Tensor | None = None) -> Tensor:
+    """Hidden states [B, H, T] -> wav [B, (2T - 1) * 256]: ``vocos.decode(decoder.decode(x))`` with the head's
+    iSTFT as ``istft_center``."""
+    head = vocos.head
+    spec = head.out(vocos.backbone(decoder.decode(x))).transpose(1, 2)  # [B, n_fft + 2, F]
+    mag, phase = spec.chunk(2, dim=1)
+    mag = torch.exp(mag).clip(max=1e2)  # as Vocos's ISTFTHead
+    istft = head.istft
+    return istft_center(mag * (torch.cos(phase) + 1j * torch.sin(phase)), istft.n_fft, istft.hop_length,
+                        istft.window, envelope)
+
+
+class DecodeGraphs:
+    """The captured decodes of one Decoder + Vocos on one CUDA device. ``run`` captures a missing graph on
+    first use (``capture`` does it ahead, e.g. while a server warms up)."""
+
+    def __init__(self, decoder: DVAE, vocos: Vocos, device: torch.device, lengths: Iterable[int]):
+        self.decoder, self.vocos, self.device = decoder, vocos, device
+        self.lengths = frozenset(lengths)
+        """Window lengths (tokens) that run as graphs; others run eagerly (a stream's last window)."""
+        self.width = 2 * decoder.config.decoder.idim
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self._pool = None
+
+    def bucket(self, batch: int, length: int) -> int | None:
+        """The bucket a batch of ``batch`` windows of ``length`` tokens replays in, or None (eager)."""
+        if length not in self.lengths:
+            return None
+        return next((b for b in BATCH_BUCKETS if b >= batch), None)
+
+    def run(self, x: Tensor, tf32: bool) -> Tensor:
+        """Windows [B, H, T] (B within the buckets, T one of ``lengths``) -> wav [B, S]: a view of the graph's
+        output buffer, valid until the next replay of that graph (copy it out before)."""
+        b, _, t = x.shape
+        bucket = self.bucket(b, t)
+        if bucket is None:
+            raise ValueError(f"no graph for {b} windows of {t} tokens")
+        graph, inp, out = self._graphs.get((t, bucket, tf32)) or self._capture(t, bucket, tf32)
+        inp[:b].copy_(x)
+        inp[b:].zero_()
+        graph.replay()
+        return out[:b]
+
+    def capture(self, tf32: bool, buckets: Iterable[int] = BATCH_BUCKETS) -> None:
+        for t in sorted(self.lengths):
+            for b in buckets:
+                if (t, b, tf32) not in self._graphs:
+                    self._capture(t, b, tf32)
+
+    def _capture(self, t: int, bucket: int, tf32: bool):
+        inp = torch.zeros(bucket, self.width, t, device=self.device)
+        window = self.vocos.head.istft.window
+        envelope = window_envelope(window, 2 * t, self.vocos.head.istft.hop_length)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm up (cuDNN, cuFFT plans) off the capturing stream, as torch advises
+            decode_wav(self.decoder, self.vocos, inp, envelope)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread-local: other threads (the engine's reports, pinned copies) may use CUDA during the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = decode_wav(self.decoder, self.vocos, inp, envelope)
+        self._pool = graph.pool()
+        self._graphs[t, bucket, tf32] = graph, inp, out
+        logger.debug("captured the wav decode of %d windows of %d tokens", bucket, t)
+        return self._graphs[t, bucket, tf32]
