@@ -52,10 +52,14 @@ class AudioDecoder:
         """Decode batches of equal-length hidden-state windows of these lengths (tokens) by CUDA graph replay
         (see ``audio.graphs``): on CUDA only, where the Decoder and Vocos share the device; ``capture``: capture
         every bucket now rather than at first use (a capture synchronizes the device and collects garbage)."""
-        if self.device.type != "cuda" or next(self.vocos.parameters()).device != self.device:
+        devices = (self.device, next(self.vocos.parameters()).device, self.decoder.coef.device)
+        if any(d.type != "cuda" for d in devices):
+            return
+        indices = {torch.cuda.current_device() if d.index is None else d.index for d in devices}
+        if len(indices) != 1:
             return
         if self.graphs is None or self.graphs.lengths != frozenset(lengths):
-            self.graphs = DecodeGraphs(self.decoder, self.vocos, self.device, lengths)
+            self.graphs = DecodeGraphs(self.decoder, self.vocos, torch.device("cuda", indices.pop()), lengths)
         if capture:
             with torch.inference_mode(), self._precision(self.tf32), self.stream():
                 self.graphs.capture(self.tf32)
