@@ -88,5 +88,6 @@ def test_window_decode_graphs_equal_the_eager_decode(cuda_pair):
                 assert graphed.shape == eager.shape == (batch, (2 * length - 1) * 256)
                 assert np.abs(graphed - eager).max() <= 1e-3 * max(float(np.abs(eager).max()), 1e-6)
         assert {(t, b) for t, b, _ in audio.graphs._graphs} == {(16, 1), (48, 4), (16, 64)}
+        assert len(audio.graphs._graphs) == 6  # each in TF32 and in float32
     finally:
         audio.graphs = saved

@@ -73,7 +73,9 @@ class DecodeGraphs:
         self.lengths = frozenset(lengths)
         """Window lengths (tokens) that run as graphs; others run eagerly (a stream's last window)."""
         self.width = 2 * decoder.config.decoder.idim
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
+        """(length, bucket, tf32) -> the graph, its input and output buffers, and the envelope it reads (held
+        here: a graph reads its tensors' memory, which must outlive it)."""
         self._pool = None
 
     def bucket(self, batch: int, length: int) -> int | None:
@@ -89,7 +91,7 @@ class DecodeGraphs:
         bucket = self.bucket(b, t)
         if bucket is None:
             raise ValueError(f"no graph for {b} windows of {t} tokens")
-        graph, inp, out = self._graphs.get((t, bucket, tf32)) or self._capture(t, bucket, tf32)
+        graph, inp, out, _ = self._graphs.get((t, bucket, tf32)) or self._capture(t, bucket, tf32)
         inp[:b].copy_(x)
         inp[b:].zero_()
         graph.replay()
@@ -115,6 +117,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = decode_wav(self.decoder, self.vocos, inp, envelope)
         self._pool = graph.pool()
-        self._graphs[t, bucket, tf32] = graph, inp, out
+        self._graphs[t, bucket, tf32] = graph, inp, out, envelope
         logger.debug("captured the wav decode of %d windows of %d tokens", bucket, t)
         return self._graphs[t, bucket, tf32]
