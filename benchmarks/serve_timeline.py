@@ -140,6 +140,8 @@ def request_phases(chat, phases, begin: float, wall: float) -> dict:
         "prepare (worker thread)": [b - a for a, b in phases["prepare"]],
         "body: first next -> last chunk": [b - a for a, b in phases["body"]],
         "engine: queued -> first token": [t.first_token - t.queued for t in engine if t.first_token],
+        "engine: first token -> first audio": [t.first_audio - t.first_token for t in engine
+                                               if t.first_token and t.first_audio],
         "engine: first token -> finished": [t.finished - t.first_token for t in engine if t.first_token],
     }
     out = {}
@@ -294,6 +296,10 @@ def main() -> None:
     chat = load_chat(StreamBenchConfig(size=args.size), max(args.streams) * 4)
     chat.engine.engine.scheduler.max_window_tokens = args.max_window_tokens
     log = instrument(chat)
+    if args.http:  # what `serve` runs before it listens (the window-decode graphs, the engine's shapes)
+        from chattts_velocity.server.run import warm_up
+
+        warm_up(chat)
     level(chat, log, 2, 1, 64)  # warm-up
     if args.http:
         url = start_server(chat, ServerConfig(max_concurrent=max(args.streams), max_queue=4 * max(args.streams),
