@@ -123,7 +123,8 @@ def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 
     wall = max(b for _, b, *_ in spans) - min(a for a, *_ in spans)
     return {"streams": streams, "requests": row["requests"], "errors": row["failures"],
             "client_rtf_total": round(row["rtf_total"], 1), "first_audio_p50_ms": round(row["ttfa_p50_ms"], 1),
-            "first_audio_p99_ms": round(row["ttfa_p99_ms"], 1), "client_processes": row["client_processes"],
+            "first_audio_p99_ms": round(row["ttfa_p99_ms"], 1), "client_headers_p50_ms": round(row["headers_p50_ms"], 1),
+            "client_headers_p99_ms": round(row["headers_p99_ms"], 1), "client_processes": row["client_processes"],
             "busiest_client_cpu_s": round(row["client_cpu_s"], 2), "client_level_wall_s": round(row["wall_s"], 2),
             "client_processes_cpu_s (start-up included)": round(
                 child_after.ru_utime + child_after.ru_stime - child.ru_utime - child.ru_stime, 2),
@@ -139,6 +140,8 @@ def request_phases(chat, phases, begin: float, wall: float) -> dict:
         "handler: request in -> prepared": [b - a for a, b in phases["handler"]],
         "prepare (worker thread)": [b - a for a, b in phases["prepare"]],
         "body: first next -> last chunk": [b - a for a, b in phases["body"]],
+        "body: first next -> first chunk out": [b - a for a, b in phases["first_chunk"]],
+        "event loop lag (10 ms sleeps)": [lag for t, lag in phases["loop_lag"] if t >= begin],
         "engine: queued -> first token": [t.first_token - t.queued for t in engine if t.first_token],
         "engine: first token -> first audio": [t.first_audio - t.first_token for t in engine
                                                if t.first_token and t.first_audio],
@@ -148,7 +151,8 @@ def request_phases(chat, phases, begin: float, wall: float) -> dict:
     for name, xs in spans.items():
         if xs:
             out[name] = {"n": len(xs), "p50_s": round(float(np.median(xs)), 3),
-                         "p90_s": round(float(np.percentile(xs, 90)), 3), "mean_in_phase": round(sum(xs) / wall, 1)}
+                         "p90_s": round(float(np.percentile(xs, 90)), 3), "p99_s": round(float(np.percentile(xs, 99)), 3),
+                         "mean_in_phase": round(sum(xs) / wall, 1)}
     return out
 
 
@@ -222,11 +226,12 @@ def engine_thread(log, wall: float) -> dict:
     }
 
 
-LOG_HTTP = {"handler": [], "prepare": [], "body": []}
+LOG_HTTP = {"handler": [], "prepare": [], "body": [], "first_chunk": [], "loop_lag": []}
 
 
 def start_server(chat, config) -> str:
     """The speech server over ``chat`` on a free loopback port, on a thread of this process; its URL."""
+    import asyncio
     import socket
 
     import uvicorn
@@ -245,16 +250,29 @@ def start_server(chat, config) -> str:
             phases["prepare"].append((t0, time.monotonic()))
 
     async def timed_produced(*args):
-        t0 = time.monotonic()
+        t0, first = time.monotonic(), True
         try:
             async for chunk in produced(*args):
+                if first:
+                    phases["first_chunk"].append((t0, time.monotonic()))
+                    first = False
                 yield chunk
         finally:
             phases["body"].append((t0, time.monotonic()))
 
     speech = server_app._speech
 
+    async def lag_monitor():  # how late the event loop runs a 10 ms sleep's wake-up
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            phases["loop_lag"].append((t, time.monotonic() - t - 0.01))
+
+    monitor = []
+
     async def timed_speech(*args):
+        if not monitor:
+            monitor.append(asyncio.get_running_loop().create_task(lag_monitor()))
         t0 = time.monotonic()
         try:
             return await speech(*args)
