@@ -68,8 +68,10 @@ def test_concurrent_streams_on_cuda_equal_their_solo_runs(cuda_pair):
 
 
 def test_window_decode_graphs_equal_the_eager_decode(cuda_pair):
-    """Batches of stream windows decoded by CUDA graph replay (padded to a bucket) equal the eager decode
-    of the same batch, in TF32 and strict float32, and lengths without a graph still decode eagerly."""
+    """Batches of stream windows decoded by CUDA graph replay (padded with zero windows to a bucket) equal the
+    eager decode of the same padded batch; in strict float32 they also equal the unpadded eager decode (in
+    TF32 the batch size picks other cuDNN kernels, so only the padded batch is comparable bit for bit).
+    Lengths without a graph still decode eagerly."""
     ours, _ = cuda_pair
     audio = ours.audio
     hidden = 2 * audio.decoder.config.decoder.idim
@@ -81,12 +83,17 @@ def test_window_decode_graphs_equal_the_eager_decode(cuda_pair):
         for tf32 in (True, False):
             for batch, length in ((1, 16), (3, 48), (37, 16), (5, 20)):
                 windows = list(torch.randn(batch, length, hidden, device="cuda", generator=gen))
+                bucket = audio.graphs.bucket(batch, length) or batch
                 graphed = audio.to_wavs(windows, True, tf32)
                 graphs, audio.graphs = audio.graphs, None
+                padded = audio.to_wavs(windows + [torch.zeros_like(windows[0])] * (bucket - batch), True, tf32)
                 eager = audio.to_wavs(windows, True, tf32)
                 audio.graphs = graphs
+                scale = float(np.abs(eager).max())
                 assert graphed.shape == eager.shape == (batch, (2 * length - 1) * 256)
-                assert np.abs(graphed - eager).max() <= 1e-3 * max(float(np.abs(eager).max()), 1e-6)
+                assert np.abs(graphed - padded[:batch]).max() <= 1e-5 * scale, (tf32, batch, length)
+                if not tf32:
+                    assert np.abs(graphed - eager).max() <= 1e-4 * scale, (batch, length)
         assert {(t, b) for t, b, _ in audio.graphs._graphs} == {(16, 1), (48, 4), (16, 64)}
         assert len(audio.graphs._graphs) == 6  # each in TF32 and in float32
     finally:

@@ -62,8 +62,8 @@ def add_bench_parser(sub) -> None:
                    help="stream and serve modes: concurrent streams per level (default: 1 8 64 256)")
     b.add_argument("--url", default="http://127.0.0.1:8000", help="serve mode: the server to drive")
     b.add_argument("--api-key", default=None, help="serve mode: the server's API key")
-    b.add_argument("--streams-per-process", type=int, default=64,
-                   help="serve mode: clients per client process; larger levels use several (default: 64)")
+    b.add_argument("--streams-per-process", type=int, default=16,
+                   help="serve mode: clients per client process; larger levels use several (default: 16)")
     b.add_argument("--requests-per-stream", type=int, default=2,
                    help="serve mode: requests each client makes in a row (default: 2)")
     b.add_argument("--size", default="full", choices=SIZES, help="full (real shapes) or tiny random weights")

@@ -32,12 +32,15 @@ class ServeBenchConfig:
     timeout_s: float = 300.0
     json_path: str | None = "bench_serve.json"
     plot_path: str | None = None
-    streams_per_process: int = 64
+    streams_per_process: int = 16
     """Clients driven by one client process: a level of more streams is split over several processes, started
     together. Against the server on an H100 at 256 streams, its audio rounds unpaced, one asyncio client process
     (about half busy) measured first audio p99 at 6.2-6.8 s and 175-179 audio s per s; split over 4
     processes, 2.3 s and 243 (`bash benchmarks/gpu_serve.sh`, 0ae4b28 and f7333a5 with `--audio-round-ms 0`):
-    the one process delayed its own streams."""
+    the one process delayed its own streams. At 64 streams, one server, alternating (`benchmarks/
+    client_split.sh`): the time to the response headers, p50, was 313 ms from 1 client process, 118 ms from 4
+    and 86 ms from 16, while the server's handler took 17-27 ms (`benchmarks/serve_timeline.py --http`):
+    the clients' own connection pool and event loop, not the server."""
 
     def __post_init__(self) -> None:
         if not self.streams or any(not isinstance(n, int) or n < 1 for n in self.streams):

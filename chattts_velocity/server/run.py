@@ -40,10 +40,16 @@ def warm_up(chat, streams: tuple[int, ...] = (1, 8, 37), tokens: int = 64) -> No
     of 16 (with 1 and 8 streams only, the first steps of 29 arriving requests under `bench serve` took 1.1 s
     each on an H100)."""
 
+    # as requests come: with a speaker, and a prompt long enough to share whole KV blocks (prefix-cache hits:
+    # prefills of a few new tokens over cached ones)
+    speaker = chat.sample_random_speaker()
+    texts = ["Warming up the speech server with one sentence as long as a short request would be."]
+
     def one(seed: int, delay: float) -> None:
         time.sleep(delay)
-        p = chat.InferCodeParams(max_new_token=tokens, min_new_token=tokens, manual_seed=seed, show_tqdm=False)
-        for _ in chat._velocity.stream_joined(["Warming up."], p, use_decoder=True):
+        p = chat.InferCodeParams(spk_emb=speaker, max_new_token=tokens, min_new_token=tokens, manual_seed=seed,
+                                 show_tqdm=False)
+        for _ in chat._velocity.stream_joined(texts, p, use_decoder=True):
             pass
 
     # the stream windows' decode graphs, every batch bucket (a capture at first use would stall a round)
