@@ -1,3 +1,6 @@
+# On the GPU machine: one `serve --dummy`, then `bench serve` at 64 streams from 1, 4 and 16 client processes
+# (alternating) and 256 streams from 16: does the client process skew time to headers and first audio?
+# Usage: bash benchmarks/client_split.sh  (writes $OUT/b_*.json)
 OUTD=$OUT; PORT=8301
 setsid chattts-velocity serve --dummy --port $PORT --max-concurrent 256 --max-queue 512 --max-new-token 500 --log-level warning > $OUTD/server.log 2>&1 &
 for i in $(seq 1 200); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && break; sleep 1; done

@@ -146,3 +146,17 @@ def test_unload_stops_the_engine_thread(upstream_ckpt):
     assert not thread.is_alive() and chat.engine is None
     with pytest.raises(RuntimeError, match="load"):
         chat.infer("hello")
+
+
+def test_server_warm_up_runs_every_level_and_leaves_the_engine_idle(fresh_chat):
+    """``serve``'s warm-up (on CUDA before it listens) streams each level twice, together and staggered, and
+    leaves nothing behind; off CUDA the window-decode graphs stay off."""
+    from chattts_velocity.server.run import warm_up
+
+    before = fresh_chat.engine.stats().num_requests
+    warm_up(fresh_chat, streams=(1, 3), tokens=6)
+    assert fresh_chat.engine.wait_idle(30)
+    assert fresh_chat.engine.stats().num_requests - before == 2 * (1 + 3)
+    stats = fresh_chat.engine.stats().engine
+    assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
+    assert fresh_chat.audio.graphs is None
