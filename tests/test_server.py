@@ -160,8 +160,27 @@ def test_models_health_and_metrics(server):
     assert metric(server.url, "chattts_kv_blocks_total") > 0
     text = httpx.get(server.url + "/metrics").text
     for name in ("chattts_requests_total", "chattts_time_to_first_audio_seconds_bucket", "chattts_real_time_factor",
-                 "chattts_queue_depth", "chattts_preemptions"):
+                 "chattts_queue_depth", "chattts_preemptions", "chattts_gc_pause_seconds_bucket"):
         assert name in text, name
+
+
+def test_metrics_time_the_garbage_collections(server, client):
+    """Full collections (the server runs one when it goes idle, to give memory back) are timed."""
+    import re
+    import time
+
+    def full_collections() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        found = re.search(r'^chattts_gc_pause_seconds_count\{generation="2"\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before, deadline, sent = full_collections(), time.monotonic() + 30, 0.0
+    while full_collections() <= before and time.monotonic() < deadline:
+        if time.monotonic() - sent > 6:  # the server trims at most every 5 s: idle again after a request
+            client.audio.speech.create(model="tts-1", voice="alloy", input="hello there", response_format="pcm")
+            sent = time.monotonic()
+        time.sleep(0.2)
+    assert full_collections() > before
 
 
 BAD = [

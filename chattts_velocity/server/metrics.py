@@ -5,11 +5,16 @@ stats at scrape time, and histograms of time to first audio and real-time factor
 
 from __future__ import annotations
 
+import gc
+import time
+import weakref
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _TTFA_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2, 5, 10)
 _RTF_BUCKETS = (0.5, 1, 2, 4, 8, 16, 32, 64)
+_GC_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2)
 
 
 class Metrics:
@@ -30,6 +35,9 @@ class Metrics:
                               buckets=_TTFA_BUCKETS)
         self.rtf = Histogram("chattts_real_time_factor", "seconds of audio per second of wall time", registry=r,
                              buckets=_RTF_BUCKETS)
+        self.gc_pause = Histogram("chattts_gc_pause_seconds", "Python garbage collections (the process stands "
+                                  "still: the GIL is held)", ["generation"], registry=r, buckets=_GC_BUCKETS)
+        _watch_gc(self)
 
     def count(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -61,6 +69,22 @@ class Metrics:
         self.kv_total.set(stats.kv_blocks_total)
         self.preemptions.set(stats.num_preemptions)
         self.tokens.set(stats.num_generated_tokens)
+
+
+def _watch_gc(metrics: Metrics) -> None:
+    """Time every garbage collection into ``metrics.gc_pause`` while ``metrics`` lives."""
+    ref, started = weakref.ref(metrics), [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        target = ref()
+        if target is None:  # its app is gone (a few bytes stay registered: gc iterates the list it calls)
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            target.gc_pause.labels(generation=str(info["generation"])).observe(time.perf_counter() - started[0])
+
+    gc.callbacks.append(callback)
 
 
 class _Replicas:
