@@ -63,10 +63,9 @@ def warm_up(chat, streams: tuple[int, ...] = (1, 8, 37), tokens: int = 64) -> No
             for t in threads:
                 t.join()
     # Everything built so far (model, engine, block tables, libraries) lives as long as the server: keep it out
-    # of the garbage collector's scans. A full collection walked all of it, holding the GIL for up to a
-    # second, and the first burst of requests after a quiet moment met one (64 streams on an H100: two
-    # engine steps of 1.1-1.2 s where the rest took milliseconds, first audio p50 1.1-1.6 s against 0.3-0.4 s
-    # in other runs of the same tree).
+    # of the garbage collector's scans, so a full collection (which holds the GIL) walks only what requests
+    # create. Measured after it (H100, `bash benchmarks/gpu_serve.sh`, 1/8/64/256 streams): 7 full
+    # collections, 0.16 s in all (the `chattts_gc_pause_seconds` metric).
     gc.collect()
     gc.freeze()
 
