@@ -53,7 +53,11 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, kv_tile, kv_end, bt_row, k_cache_ptr, 
     return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
-@triton.jit
+# Not specialised on the sequence count and the block table's width: Triton compiles a variant per value class
+# of an int argument (1, a multiple of 16, other), and these vary with the batch. Under `serve` the first burst
+# of 64 requests compiled two new variants (64 sequences) mid-step, each step taking 1.1-1.2 s
+# (`benchmarks/first_level.sh` with an empty Triton cache); neither feeds vectorised loads.
+@triton.jit(do_not_specialize=["num_seqs", "bt_stride"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr,
                     out_ptr, qk_scale, num_seqs, q_stride_tok, q_stride_head, bt_stride, num_kv_heads, group,
                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
