@@ -216,3 +216,30 @@ def test_max_window_tokens_shortens_the_windows_of_large_batches():
     assert [window_after_prefill(n, 128) for n in (1, 4, 8, 40, 64)] == [32, 32, 16, 3, 2]
     sched = Scheduler(BlockSpaceManager(16, 4, 0.0), 8, 64, num_decode_steps=8, max_window_tokens=100)
     assert [sched.window_steps(n) for n in (1, 12, 13, 50, 51, 1000)] == [8, 8, 7, 2, 2, 2]
+
+
+def test_continue_window_reserves_the_next_window_only_when_the_batch_cannot_change():
+    """The scheduler owns the pipelined window's reservation too: the next window's blocks are taken past the
+    running window's tokens, and nothing is reserved when a request waits, the running window is a short
+    one, or a sequence would reach its length limit inside it."""
+    bm = BlockSpaceManager(64, 4, 0.0)
+    sched = Scheduler(bm, 8, 64, num_decode_steps=4)
+    seqs = [make_seq(5, request_id=f"c{i}", max_new=20) for i in range(2)]
+    for seq in seqs:
+        sched.add(seq)
+    run_step(sched)  # prefill: 6 tokens each
+    out = sched.schedule()
+    assert out.num_steps == 4 and all(len(s.block_table) == bm.blocks_for(10) for s in seqs)
+    free = bm.num_free_blocks
+    assert sched.continue_window(seqs, 2) == 0  # a short running window: report it first
+    assert sched.continue_window(seqs, 4) == 4
+    assert all(len(s.block_table) == bm.blocks_for(6 + 8) for s in seqs) and bm.num_free_blocks == free - 2
+    late = make_seq(5, request_id="late")
+    sched.add(late)
+    assert sched.continue_window(seqs, 4) == 0  # somebody waits: the batch changes after this window
+    sched.waiting.clear()
+    assert sched.continue_window(seqs[:1], 4) == 0  # not the running batch
+    seqs[0].max_tokens = len(seqs[0]) + 4
+    assert sched.continue_window(seqs, 4) == 0  # it reaches its limit inside the running window
+    seqs[0].max_tokens = len(seqs[0]) + 6
+    assert sched.continue_window(seqs, 4) == 4  # room for 2 more: the next window is as long as the longest

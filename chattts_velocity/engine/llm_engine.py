@@ -280,29 +280,14 @@ class LLMEngine:
                            num_preemptions=sched.num_preemptions, **self._totals)
 
     def _continue(self, window: Window) -> Window | None:
-        """Queue the same batch's next window behind ``window`` if nothing can change the batch before it: no
-        request waiting, ``window`` full-length (a short first window brings a stream to its first audio: queuing a
-        window behind it delays that report by a window wherever launches are host-bound, as CUDA graph replays
-        were at batch 1 in `benchmarks/first_window.py`), every sequence still running and none reaching its
-        length limit inside ``window``, and
-        free blocks for everyone's next window (counted past ``window``'s tokens, which are not appended yet).
+        """Queue the same batch's next window behind ``window`` when the scheduler grants it
+        (``Scheduler.continue_window``: nothing can change the batch before it, and it reserved the blocks).
         A sequence that ends by EOS inside ``window`` computes the queued window in vain; its tokens are
         dropped and the pipeline stops there."""
-        sched, bm = self.scheduler, self.block_manager
-        k = sched.window_steps(len(window.seqs))
-        if not self._pipeline or sched.waiting or len(sched.running) != len(window.seqs):
+        if not self._pipeline:
             return None
-        if window.num_steps < k:  # a short first window is there for latency: report it before queuing more
-            return None
-        ahead = window.num_steps
-        wanted = []
-        for seq in window.seqs:
-            if seq.is_finished or len(seq) + ahead >= seq.max_tokens:
-                return None
-            wanted.append(ahead + min(k, seq.max_tokens - len(seq) - ahead))
-        if not bm.allocate_together(window.seqs, wanted):
-            return None
-        return self.worker.launch_window(window.seqs, max(n - ahead for n in wanted), continuing=True)
+        steps = self.scheduler.continue_window(window.seqs, window.num_steps)
+        return self.worker.launch_window(window.seqs, steps, continuing=True) if steps else None
 
     def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:
         """Append sampled tokens until EOS or the length limit; every accepted step computed one more token."""

@@ -118,6 +118,25 @@ class Scheduler:
         if bm.allocate_together(seqs, [min(k, seq.max_tokens - len(seq)) for seq in seqs]):
             out.num_steps = k
 
+    def continue_window(self, seqs: list[Sequence], num_steps: int) -> int:
+        """Steps of the same batch's next window, to be queued behind a running window of ``num_steps`` steps
+        whose tokens are not appended yet, with every sequence's blocks for it reserved now; 0 (nothing
+        reserved) if the batch could change before it: a request waiting, a sequence not in the batch, the
+        running window short (a short first window is there for latency: it is reported before more is
+        queued, as CUDA graph replays were host-bound at batch 1 in `benchmarks/first_window.py`), a sequence
+        finished or reaching its length limit inside the running window, or too few free blocks."""
+        k = self.window_steps(len(seqs))
+        if self.waiting or len(self.running) != len(seqs) or num_steps < k:
+            return 0
+        wanted = []  # tokens past the appended ones: the running window's, then the next one's
+        for seq in seqs:
+            if seq.is_finished or len(seq) + num_steps >= seq.max_tokens:
+                return 0
+            wanted.append(num_steps + min(k, seq.max_tokens - len(seq) - num_steps))
+        if not self.block_manager.allocate_together(seqs, wanted):
+            return 0
+        return max(n - num_steps for n in wanted)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
