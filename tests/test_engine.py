@@ -456,3 +456,20 @@ def test_text_windows_match_single_steps_and_the_reference(chat, make_engine, pa
     while engine.has_unfinished_requests():
         out = next((o for o in engine.step() if o.finished), None)
     assert_matches_reference(chat, [out], [text_prompt(chat, texts[0])], [argmax])
+
+
+def test_prompt_ids_are_checked_against_their_kind(make_engine):
+    """A prompt's text positions take text ids, its audio positions audio codes; either out of range is a
+    ``ValueError`` naming the kind (the check runs on Python lists, not tensor ops)."""
+    engine = make_engine()
+    cfg = engine.model_config
+    mask = torch.tensor([True, True, False])
+    good = torch.tensor([[5] * 4, [cfg.num_text_tokens - 1] * 4, [cfg.num_audio_tokens - 1] * 4])
+    tokens, is_text = engine.validate_request(Prompt(good, mask), SamplingParams())
+    assert tokens == [tuple(r) for r in good.tolist()] and is_text == [True, True, False]
+    for row, value, kind in ((1, cfg.num_text_tokens, "text"), (0, -1, "text"), (2, cfg.num_audio_tokens, "audio"),
+                             (2, -3, "audio")):
+        bad = good.clone()
+        bad[row, 1] = value
+        with pytest.raises(ValueError, match=f"prompt has {kind} ids outside"):
+            engine.validate_request(Prompt(bad, mask), SamplingParams())

@@ -325,3 +325,21 @@ def test_speaker_vector_and_apply_match_upstream(up_speaker, tok_dir):
     for bad in (spk[:-3], torch.zeros(767), torch.full((768,), float("nan")), 5):
         with pytest.raises(ValueError):
             speaker_vector(bad, 768)
+
+
+def test_a_speaker_string_is_decoded_once_and_copied_out():
+    """``speaker_vector`` of a string is cached (a server's voices come back with every request): equal
+    vectors, never the same tensor (a caller may write to its copy); a bad string raises every time."""
+    from chattts_velocity.text import speaker_vector
+    from chattts_velocity.text.speaker import _string_speaker, encode_speaker
+
+    spk = encode_speaker(torch.randn(16, generator=torch.Generator().manual_seed(3)))
+    _string_speaker.cache_clear()
+    a, b = speaker_vector(spk, 16), speaker_vector(spk, 16)
+    assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    a.zero_()
+    assert torch.equal(speaker_vector(spk, 16), b)
+    assert _string_speaker.cache_info().hits == 2
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            speaker_vector(spk, 32)

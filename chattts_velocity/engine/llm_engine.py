@@ -148,16 +148,17 @@ class LLMEngine:
         if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape[:1] or mask.dtype != torch.bool:
             raise ValueError(f"prompt.text_mask must be a bool tensor [{ids.size(0)}], got "
                              f"{getattr(mask, 'shape', type(mask).__name__)}")
-        ids, mask = ids.cpu(), mask.cpu()
-        for name, sel, limit in (("text", mask, cfg.num_text_tokens), ("audio", ~mask, cfg.num_audio_tokens)):
-            bad = ids[sel]
-            if bad.numel() and (bad.min() < 0 or bad.max() >= limit):
+        # checked on Python lists: each torch call would let go of the GIL and wait to take it back, which a
+        # busy server's request threads pay dearly (see ``text.speaker._string_speaker``)
+        rows, is_text = ids.tolist(), mask.tolist()
+        for name, text, limit in (("text", True, cfg.num_text_tokens), ("audio", False, cfg.num_audio_tokens)):
+            if any(t is text and (min(row) < 0 or max(row) >= limit) for row, t in zip(rows, is_text, strict=True)):
                 raise ValueError(f"prompt has {name} ids outside [0, {limit})")
         spk = prompt.speaker
         if spk is not None and (not isinstance(spk, torch.Tensor) or spk.shape != (cfg.hidden_size,)
                                 or not spk.is_floating_point() or not torch.isfinite(spk).all()):
             raise ValueError(f"prompt.speaker must be None or a finite float tensor [{cfg.hidden_size}]")
-        return [tuple(t) for t in ids.tolist()], mask.tolist()
+        return [tuple(t) for t in rows], is_text
 
     def abort_request(self, request_id: str, report: bool = True) -> bool:
         """Stop a request now and free its blocks; unless ``report`` is False, the next ``step`` reports it
