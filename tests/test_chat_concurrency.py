@@ -151,10 +151,16 @@ def test_unload_stops_the_engine_thread(upstream_ckpt):
 def test_server_warm_up_runs_every_level_and_leaves_the_engine_idle(fresh_chat):
     """``serve``'s warm-up (on CUDA before it listens) streams each level twice, together and staggered, and
     leaves nothing behind; off CUDA the window-decode graphs stay off."""
+    import gc
+
     from chattts_velocity.server.run import warm_up
 
     before = fresh_chat.engine.stats().num_requests
-    warm_up(fresh_chat, streams=(1, 3), tokens=6)
+    try:
+        warm_up(fresh_chat, streams=(1, 3), tokens=6)
+        assert gc.get_freeze_count() > 0  # what the server built stays out of the collector's scans
+    finally:
+        gc.unfreeze()  # the rest of the test session is no server
     assert fresh_chat.engine.wait_idle(30)
     assert fresh_chat.engine.stats().num_requests - before == 2 * (1 + 3)
     stats = fresh_chat.engine.stats().engine
