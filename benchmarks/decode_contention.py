@@ -49,7 +49,7 @@ def staged(chat, hidden) -> dict:
     """Host time of each stage of a window decode on the audio stream (ms)."""
     audio, marks = chat.audio, [time.perf_counter()]
     with audio.stream():
-        batch = audio._pad([hidden])
+        batch, _ = audio._pad([hidden])
         marks.append(time.perf_counter())
         mel = audio.decoder.decode(batch)
         marks.append(time.perf_counter())

@@ -298,3 +298,15 @@ def test_graph_decode_function_equals_the_eager_decode(ours):
 def test_use_graphs_is_a_no_op_off_cuda(ours):
     ours.use_graphs((16, 48), capture=True)
     assert ours.graphs is None
+
+
+def test_decode_graphs_take_only_their_lengths_and_buckets(ours):
+    """A batch of another window length, or larger than the largest bucket, has no graph (``run`` returns
+    None and ``to_wavs`` decodes it eagerly); the rest go to the smallest bucket that holds them."""
+    from chattts_velocity.audio.graphs import BATCH_BUCKETS, DecodeGraphs
+
+    graphs = DecodeGraphs(ours.decoder, ours.vocos, torch.device("cpu"), (16, 48))
+    hidden = 2 * ours.decoder.config.decoder.idim
+    assert graphs.run(torch.zeros(2, hidden, 20), True) is None
+    assert graphs.run(torch.zeros(BATCH_BUCKETS[-1] + 1, hidden, 16), True) is None
+    assert [graphs.bucket(b, 48) for b in (1, 3, 37, 256)] == [1, 4, 64, 256] and graphs.bucket(3, 17) is None

@@ -80,13 +80,13 @@ class AudioDecoder:
         ``tf32`` overrides the decoder's setting for this call."""
         if not results:
             return np.array([], dtype=np.float32)
-        batch = self._pad(results)  # [B, C, T]
+        batch, equal = self._pad(results)  # [B, C, T]
         tf32 = self.tf32 if tf32 is None else tf32
-        graphs = self.graphs if use_decoder else None
-        if graphs is not None and graphs.bucket(*batch.shape[::2]) is not None and self._equal_lengths(results):
-            with self._precision(tf32):
-                return _to_host(graphs.run(batch, tf32))
         with self._precision(tf32):
+            # stream windows (one length, no padding): a CUDA graph replay where one takes the shape
+            wav = self.graphs.run(batch, tf32) if self.graphs is not None and use_decoder and equal else None
+            if wav is not None:
+                return _to_host(wav)
             mel = (self.decoder if use_decoder else self.dvae).decode(batch)  # [B, n_mels, 2T]
             vocos_device = next(self.vocos.parameters()).device
             wav = self.vocos.decode(mel.to(vocos_device))
@@ -132,25 +132,23 @@ class AudioDecoder:
         finally:
             matmul.fp32_precision, conv.fp32_precision = saved
 
-    @staticmethod
-    def _equal_lengths(results: list[Tensor]) -> bool:
-        return all(r.shape[0] == results[0].shape[0] for r in results)
-
-    def _pad(self, results: list[Tensor]) -> Tensor:
-        """Right-zero-pad [T_i, C] tensors into one [B, C, max T_i] batch on the device."""
+    def _pad(self, results: list[Tensor]) -> tuple[Tensor, bool]:
+        """Right-zero-pad [T_i, C] tensors into one [B, C, max T_i] batch on the device; and whether every T_i
+        is the same (no padding)."""
         width = results[0].shape[-1]
         for i, r in enumerate(results):
             if r.dim() != 2 or r.shape[1] != width:
                 expected = f"expected [T, {width}] like results[0]"
                 raise ValueError(f"results[{i}] has shape {tuple(r.shape)}, {expected}")
         longest = max(r.shape[0] for r in results)
+        equal = all(r.shape[0] == longest for r in results)
         first = results[0]
-        if (first.device.type == self.device.type
-                and all((r.shape[0], r.dtype, r.device) == (longest, first.dtype, first.device) for r in results)):
+        if (equal and first.device.type == self.device.type
+                and all((r.dtype, r.device) == (first.dtype, first.device) for r in results)):
             # equal lengths (every batch of stream windows): one stack, not one copy per row (a round of 256
             # windows launched 256 copies)
-            return torch.stack(results).transpose(1, 2).contiguous()
+            return torch.stack(results).transpose(1, 2).contiguous(), True
         batch = torch.zeros((len(results), width, longest), dtype=results[0].dtype, device=self.device)
         for row, r in zip(batch, results, strict=True):
             row[:, : r.shape[0]].copy_(r.T)
-        return batch
+        return batch, equal

@@ -41,12 +41,18 @@ class StreamConfig:
     grow up to it (each at most the tokens already emitted: 8, 8, 16, 24, ... by default), so a listener who
     starts playing at the first chunk never waits for the next while generation keeps up with real time."""
 
+    def chunk_size(self, start: int) -> int:
+        """Tokens of the chunk that starts at token ``start`` (before the stream's end cuts it): a chunk is
+        never longer than the audio already out, so playback that starts with the first chunk does not run dry
+        while the next one is generated at real time or faster."""
+        return self.first_chunk if start == 0 else min(self.chunk, start)
+
     def window_lengths(self) -> tuple[int, ...]:
         """Tokens of the windows a stream decodes before its last one (which is shorter or longer as the
         stream ends): 16, 24, 40 and 48 by default, then 48 for every later chunk."""
         lengths, start = [], 0
         while True:
-            size = self.first_chunk if start == 0 else min(self.chunk, start)
+            size = self.chunk_size(start)
             n = min(start, self.left_context) + size + (self.lookahead or 1)  # lookahead 0: one zero token
             if n not in lengths:
                 lengths.append(n)
@@ -171,9 +177,7 @@ class AudioStream:
 
     def _next_window(self) -> Window | None:
         c, start, total = self.config, self._planned, self._total
-        # a chunk is never longer than the audio already out, so playback that starts with the first chunk
-        # does not run dry while the next one is generated at real time or faster
-        size = c.first_chunk if start == 0 else min(c.chunk, start)
+        size = c.chunk_size(start)
         if not self._finished and start + size + c.lookahead > total:
             return None
         end = min(start + size, total)

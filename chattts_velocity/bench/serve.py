@@ -39,7 +39,7 @@ class ServeBenchConfig:
     processes, 2.3 s and 243 (`bash benchmarks/gpu_serve.sh`, 0ae4b28 and f7333a5 with `--audio-round-ms 0`):
     the one process delayed its own streams. At 64 streams, one server, alternating (`benchmarks/
     client_split.sh`): the time to the response headers, p50, was 313 ms from 1 client process, 118 ms from 4
-    and 86 ms from 16, while the server's handler took 17-27 ms (`benchmarks/serve_timeline.py --http`):
+    and 86 ms from 16, while the server's handler took 17-64 ms, p50 (`benchmarks/serve_timeline.py --http`):
     the clients' own connection pool and event loop, not the server."""
 
     def __post_init__(self) -> None:

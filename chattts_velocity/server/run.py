@@ -36,10 +36,11 @@ def warm_up(chat, streams: tuple[int, ...] = (1, 8, 37), tokens: int = 64) -> No
     """Run short streams through the whole path (engine windows and CUDA graphs, the audio decoder's shapes,
     the allocator) so that the first clients do not pay for it: on an H100 the first request after start-up
     took 3.8 s to its first audio, the second 0.1 s. Each level starts its streams together, then again a
-    few ms apart (prefills beside running decodes). 37 streams: prefill steps of more sequences than the
-    prefill CUDA graphs hold run eagerly, and Triton compiles a kernel again for sizes that are not multiples
-    of 16 (with 1 and 8 streams only, the first steps of 29 arriving requests under `bench serve` took 1.1 s
-    each on an H100)."""
+    few ms apart (prefills beside running decodes), with a speaker and a prompt that hits the prefix cache;
+    37 streams make prefill steps of more sequences than the prefill CUDA graphs hold, which run eagerly.
+    With this warm-up and an empty Triton cache, a fresh H100 compiled no kernel while serving 1, 8 and then
+    64 streams (`benchmarks/first_level.sh`, one run; before the prefill kernel stopped specialising on the
+    batch, the 64 streams compiled two and two steps took 1.1-1.2 s)."""
 
     # as requests come: with a speaker, and a prompt long enough to share whole KV blocks (prefix-cache hits:
     # prefills of a few new tokens over cached ones)
