@@ -42,6 +42,9 @@ LONGER = " ".join(f"Sentence number {i} keeps this request generating for a whil
 """Still generating seconds after its first audio, so that a per-replica snapshot (sent every second) sees its
 blocks in use: the tiny CPU engine got through ``LONG`` before a snapshot once its decode got faster."""
 SPEECH = "/v1/audio/speech"
+STREAMED = " ".join(f"Sentence number {i} keeps this request generating for a while." for i in range(6))
+"""Long enough that its audio leaves the replica as several chunks: ``TEXT``'s two sentences were done on the
+tiny CPU engine before Serve's proxy sent the first, and twice in five CI runs arrived as one chunk."""
 
 
 def body(text: str = TEXT, seed: int = 7, **kw) -> dict:
@@ -188,10 +191,10 @@ def test_openai_sdk_streams_the_single_process_servers_audio(client, chat):
     from chattts_velocity.server import ServerConfig, build_app
 
     with TestClient(build_app(chat, ServerConfig(max_new_token=48))) as single:
-        alone = single.post(SPEECH, json=body())
+        alone = single.post(SPEECH, json=body(STREAMED))
     assert alone.status_code == 200 and len(alone.content) > 2 * 24000 * 0.2
     chunks = []
-    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=TEXT,
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=STREAMED,
                                                             response_format="pcm", extra_body={"seed": 7}) as r:
         assert r.headers[REPLICA_HEADER]
         chunks = list(r.iter_bytes(chunk_size=None))
