@@ -2,6 +2,8 @@
 # On the GPU machine: start `chattts-velocity serve --dummy` in the background, wait until healthy, drive it with
 # `chattts-velocity bench serve` at 1/8/64/256 streams, then save the server's /metrics and log under $OUT.
 # Usage: bash benchmarks/gpu_serve.sh [extra serve args...]
+# PROFILE=<streams>: also sample the server's threads with py-spy at that level (PYSPY_ARGS, e.g. "--threads --idle
+# --native -r 100 -d 5", to see where a thread waits)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PORT=${PORT:-8011}
@@ -25,7 +27,8 @@ if [ -n "${PROFILE:-}" ]; then  # where the server's CPU goes at $PROFILE stream
         --json "$OUT/bench_serve_profiled.json" > "$OUT/profiled.txt" 2>&1 &
     BENCH=$!
     sleep 3
-    py-spy record --threads -r 200 -d 8 -f raw -o "$OUT/cpu.txt" --pid $SERVER > /dev/null 2>&1
+    # shellcheck disable=SC2086
+    py-spy record ${PYSPY_ARGS:---threads -r 200 -d 8} -f raw -o "$OUT/cpu.txt" --pid $SERVER > /dev/null 2>&1
     py-spy dump --pid $SERVER > "$OUT/dump.txt" 2>&1
     wait $BENCH
 fi

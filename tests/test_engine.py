@@ -133,15 +133,27 @@ ENGINE_SETUPS = {
     "chunked-prefill": dict(max_num_batched_tokens=7),
     "no-prefix-cache": dict(enable_prefix_caching=False, block_size=4),
     "prefix-cache-small-blocks": dict(block_size=2, max_num_seqs=2),  # later requests find cached prefixes
+    # prompts in steps of their own, 2 sequences and 16 tokens at most (a CUDA engine's are its prefill graph's)
+    "prefill-first": dict(prefill_first=True, max_num_batched_tokens=16),
 }
 
 
 @pytest.mark.parametrize("setup", list(ENGINE_SETUPS), ids=list(ENGINE_SETUPS))
 def test_engine_equals_reference_under_argmax(chat, make_engine, workload, setup):
     engine = make_engine(**ENGINE_SETUPS[setup])
+    steps = []
+    if setup == "prefill-first":
+        engine.scheduler.max_prefill_seqs = 2
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda: (out := schedule(), steps.append(
+            [(item.seq.num_generated, item.num_new_tokens) for item in out.scheduled]))[0]
     prompts, ps = workload
     outs = run(engine, prompts, ps)
     assert_matches_reference(chat, outs, prompts, ps)
+    if steps:  # no step mixed prompts with decodes, none over the limits
+        prefills = [step for step in steps if any(generated == 0 for generated, _ in step)]
+        assert len(prefills) >= 4 and all(len(step) <= 2 and sum(n for _, n in step) <= 16 for step in prefills)
+        assert all(generated == 0 or n > 1 for step in prefills for generated, n in step)
     assert all(o.finish_reason in (FinishReason.EOS, FinishReason.LENGTH) for o in outs)
     if setup == "prefix-cache-small-blocks":  # the speaker prompts share [Stts][spk_emb]; r0 and r5 everything
         assert engine.block_manager.num_hit_blocks >= 3
@@ -238,8 +250,8 @@ def test_pipelined_decode_windows_match_single_steps(chat, make_engine):
     ps = [sampled(50 + i, min_new_tokens=3, max_new_tokens=20 + 9 * i) for i in range(4)]
     ps[1] = sampled(51, min_new_tokens=23, max_new_tokens=23)  # ends by its length limit
 
-    def generate(window: int) -> tuple[list, int]:
-        engine = make_engine(num_decode_steps=window, pipeline_decode=True)  # off by default on CPU
+    def generate(window: int, **kw) -> tuple[list, int]:
+        engine = make_engine(num_decode_steps=window, pipeline_decode=True, **kw)  # off by default on CPU
         launches = []
         original = engine.worker.launch_window
         engine.worker.launch_window = lambda seqs, k, continuing=False: (launches.append(continuing),
@@ -256,11 +268,13 @@ def test_pipelined_decode_windows_match_single_steps(chat, make_engine):
 
     single, _ = generate(1)
     piped, continued = generate(4)
+    prefill_first, _ = generate(4, prefill_first=True)
     assert continued >= 3, "some windows must have been queued behind the previous one"
     assert {out.finish_reason for out in single} == {FinishReason.EOS, FinishReason.LENGTH}
-    for a, b in zip(single, piped, strict=True):
-        assert torch.equal(a.token_ids, b.token_ids) and a.finish_reason == b.finish_reason
-        torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-5, rtol=1e-5)
+    for a, b, c in zip(single, piped, prefill_first, strict=True):
+        for other in (b, c):
+            assert torch.equal(a.token_ids, other.token_ids) and a.finish_reason == other.finish_reason
+            torch.testing.assert_close(a.hidden_states, other.hidden_states, atol=1e-5, rtol=1e-5)
 
 
 def test_different_seeds_give_different_audio_and_unseeded_uses_fresh_seeds(chat, make_engine):

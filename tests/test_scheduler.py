@@ -243,3 +243,38 @@ def test_continue_window_reserves_the_next_window_only_when_the_batch_cannot_cha
     assert sched.continue_window(seqs, 4) == 0  # it reaches its limit inside the running window
     seqs[0].max_tokens = len(seqs[0]) + 6
     assert sched.continue_window(seqs, 4) == 4  # room for 2 more: the next window is as long as the longest
+
+
+def test_prefill_first_admits_prompts_in_steps_of_their_own_within_the_prefill_limits():
+    """With prefill_first a step that can admit waiting requests computes prompts only (the running decodes
+    wait), at most max_prefill_seqs sequences and max_prefill_tokens tokens (a chunked prompt goes on first);
+    with nobody waiting, everybody decodes together as one window again."""
+    bm = BlockSpaceManager(256, 4, 0.0)
+    sched = Scheduler(bm, 16, 64, num_decode_steps=4, prefill_first=True, max_prefill_seqs=2,
+                      max_prefill_tokens=12)
+    running = [make_seq(5, first=10 * i, request_id=f"old{i}") for i in range(3)]
+    for seq in running:
+        sched.add(seq)
+    assert plan(run_step(sched)) == [("old0", 5), ("old1", 5)]  # two sequences a prefill step
+    assert plan(run_step(sched)) == [("old2", 5)]  # old0/old1 decode later: a prompt is waiting
+    assert sched.schedule().num_steps == 4  # nobody waits: one window of all three
+    new = [make_seq(5, first=100, request_id="new0"), make_seq(9, first=200, request_id="new1"),
+           make_seq(3, first=300, request_id="new2")]
+    for seq in new:
+        sched.add(seq)
+    out = run_step(sched)
+    assert plan(out) == [("new0", 5), ("new1", 7)] and out.num_steps == 1  # 12 tokens: new1 is chunked
+    assert not out.scheduled[1].samples
+    assert plan(run_step(sched)) == [("new1", 2), ("new2", 3)]  # the chunked prompt first
+    out = sched.schedule()
+    assert sorted(plan(out)) == sorted((s.request_id, 1) for s in running + new) and out.num_steps == 4
+
+
+def test_without_prefill_first_new_prompts_join_the_decodes():
+    bm = BlockSpaceManager(256, 4, 0.0)
+    sched = Scheduler(bm, 16, 64, num_decode_steps=4)
+    old = make_seq(5, request_id="old")
+    sched.add(old)
+    run_step(sched)
+    sched.add(make_seq(5, first=100, request_id="new"))
+    assert plan(run_step(sched)) == [("old", 1), ("new", 5)]

@@ -414,3 +414,27 @@ def test_window_lengths_are_those_of_every_window_but_the_last(config):
         stream.push(torch.zeros(1, 4, dtype=torch.long))
         seen += [w.tokens.shape[0] for w in stream.ready()]
     assert list(dict.fromkeys(seen)) == list(config.window_lengths())
+
+
+@pytest.mark.parametrize("pattern", ["one", "random"])
+def test_windows_cut_short_by_the_end_take_more_context_to_a_usual_length(pattern):
+    """At a stream's end the windows take more left context rather than decode an odd length (which the wav
+    decode's CUDA graphs do not take): every window of a stream at least one full window long has one of
+    ``window_lengths``; a shorter stream keeps whatever fits."""
+    lengths = set(DEFAULT.window_lengths())
+    extended = 0
+    for n in [*range(48, 140), 301]:
+        stream, seen, at = AudioStream(DEFAULT), [], 0
+        for size in _pieces(n, pattern, seed=n):
+            stream.push(torch.zeros(size, 4, dtype=torch.long))
+            at += size
+            seen += stream.ready()
+        stream.push(torch.zeros(0, 4, dtype=torch.long), finished=True)
+        seen += stream.ready()
+        assert {w.tokens.shape[0] for w in seen} <= lengths, (n, [w.tokens.shape[0] for w in seen])
+        assert seen[-1].final and seen[-1].end == n
+        extended += sum(w.start - w.ctx_start > DEFAULT.left_context for w in seen)
+    assert extended > 50  # the end's windows did start earlier
+    short = AudioStream(DEFAULT)
+    short.push(torch.zeros(30, 4, dtype=torch.long), finished=True)
+    assert [w.tokens.shape[0] for w in short.ready()] == [16, 24, 30]  # 30 tokens: no 40 to be had

@@ -48,8 +48,9 @@ class StreamConfig:
         return self.first_chunk if start == 0 else min(self.chunk, start)
 
     def window_lengths(self) -> tuple[int, ...]:
-        """Tokens of the windows a stream decodes before its last one (which is shorter or longer as the
-        stream ends): 16, 24, 40 and 48 by default, then 48 for every later chunk."""
+        """Tokens of the windows a stream decodes: 16, 24, 40 and 48 by default, then 48 for every later
+        chunk. The windows at a stream's end, cut short by it, take more left context to reach one of these
+        lengths where the stream has the tokens (see ``AudioStream``)."""
         lengths, start = [], 0
         while True:
             size = self.chunk_size(start)
@@ -90,10 +91,17 @@ class Window:
 
 class AudioStream:
     """One request's incremental decoder state: the tokens pushed so far (only those still needed as context),
-    which chunks have been handed out as windows, and which have been emitted as audio."""
+    which chunks have been handed out as windows, and which have been emitted as audio.
+
+    A window that the stream's end cuts short (its look-ahead, or its chunk) starts earlier instead, by as many
+    tokens as bring it to the next of ``StreamConfig.window_lengths`` (when the stream has them): more left
+    context is only closer to the offline audio, and the usual lengths are the ones the wav decode runs as CUDA
+    graphs, where an odd length would run eagerly (on an H100 under load about 5 ms a call, against 2 for a
+    graph of up to 32 windows), once for every length a round meets."""
 
     def __init__(self, config: StreamConfig | None = None):
         self.config = config or StreamConfig()
+        self._lengths = sorted(self.config.window_lengths())
         self.decoded_tokens = 0  # tokens run through the decoder (sum of window lengths): the decode work
         self._tokens: Tensor | None = None  # [k, C] tokens from global index self._base on
         self._base = 0
@@ -185,14 +193,20 @@ class AudioStream:
             return None
         ctx_start, ctx_end = max(0, start - c.left_context), min(end + c.lookahead, total)
         final = self._finished and end == total
+        pad = ctx_end == end and not final  # lookahead 0: one zero token, as to_wavs pads shorter sequences
+        n = ctx_end - ctx_start + pad
+        longer = next((m for m in self._lengths if m >= n), n)
+        if longer - n <= ctx_start:  # cut short by the stream's end: more left context, a usual length
+            ctx_start -= longer - n
         tokens = self._tokens[ctx_start - self._base : ctx_end - self._base]  # [W, C]
-        if ctx_end == end and not final:  # lookahead 0: pad as to_wavs pads shorter sequences
+        if pad:
             tokens = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])  # [W + 1, C]
         return Window(self, tokens, start, end, ctx_start, ctx_end, final)
 
     def _drop_old_tokens(self) -> None:
-        """Keep only the tokens the next window can read: from its left context on."""
-        keep = max(0, self._planned - self.config.left_context)
+        """Keep only the tokens the next window can read: from its left context (and as many more as a
+        window cut short may take) on."""
+        keep = max(0, self._planned - self.config.left_context - self._lengths[-1])  # (see the class)
         if self._tokens is not None and keep > self._base:
             self._tokens = self._tokens[keep - self._base :]
             self._base = keep

@@ -57,12 +57,16 @@ class LLMEngine:
         self.worker = Worker(gpt, config, spk_emb_id, text_eos_id, torch.device(device))
         self.block_manager = BlockSpaceManager(self.worker.num_blocks, config.block_size, config.watermark,
                                                config.enable_prefix_caching)
+        cuda = self.worker.device.type == "cuda"
+        prefill_first = cuda if config.prefill_first is None else config.prefill_first
+        seqs, tokens = self.worker.runner.prefill_limits() if prefill_first else (None, None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.num_decode_steps, config.first_window_tokens, config.max_window_tokens)
+                                   config.num_decode_steps, config.first_window_tokens, config.max_window_tokens,
+                                   prefill_first, seqs, tokens)
         self.requests: dict[str, SequenceGroup] = {}
         self._aborted: list[RequestOutput] = []
         pipeline = config.pipeline_decode
-        self._pipeline = self.worker.device.type == "cuda" if pipeline is None else pipeline
+        self._pipeline = cuda if pipeline is None else pipeline
         self._window: Window | None = None
         """A decode window queued on the device whose tokens the next ``step`` reads."""
         self._ids = itertools.count()

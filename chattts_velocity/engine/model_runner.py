@@ -55,6 +55,10 @@ class ModelRunner:
             if use_cuda_graph:
                 self.prefill.capture()
 
+    def prefill_limits(self) -> tuple[int | None, int | None]:
+        """Most sequences and tokens of a step the padded prefill (a CUDA graph) takes; (None, None) on CPU."""
+        return (PREFILL_SEQS[-1], PREFILL_TOKENS[-1]) if self.prefill is not None else (None, None)
+
     @torch.inference_mode()
     def forward(self, scheduled: list[ScheduledSeq]) -> tuple[Tensor, Tensor]:
         """Run the scheduled tokens through the core (writing their K/V): hidden states [N, H] (core dtype) and

@@ -1,6 +1,10 @@
 """``Scheduler``: continuous batching. Every step it picks, first come first served, how many tokens of each
 sequence to compute: running sequences first (a decode is one token, a prefill a chunk of its prompt), then
-waiting ones while the token budget, the sequence limit and the KV blocks allow. When blocks run out the most
+waiting ones while the token budget, the sequence limit and the KV blocks allow. With ``prefill_first`` a step
+that can admit waiting requests computes prompts only (up to ``max_prefill_seqs`` sequences and
+``max_prefill_tokens`` tokens, what one prefill CUDA graph takes) and the running decodes wait for the next
+step, which runs them all as one window: mixed in, hundreds of decodes would make the prefill step an eager one
+of hundreds of sequences. When blocks run out the most
 recently admitted sequence is preempted: its blocks are freed and it is recomputed later (its prefix may still
 be in the prefix cache).
 
@@ -47,13 +51,18 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_decode_steps: int = 1, first_window_tokens: int = 0, max_window_tokens: int | None = None):
+                 num_decode_steps: int = 1, first_window_tokens: int = 0, max_window_tokens: int | None = None,
+                 prefill_first: bool = False, max_prefill_seqs: int | None = None,
+                 max_prefill_tokens: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_decode_steps = num_decode_steps
         self.first_window_tokens = first_window_tokens
         self.max_window_tokens = max_window_tokens
+        self.prefill_first = prefill_first
+        self.max_prefill_seqs = max_prefill_seqs
+        self.max_prefill_tokens = max_prefill_tokens
         self._text_turn = False
         """Which mode's decodes a step of mixed audio and text decodes keeps (see ``_one_mode``)."""
         self.waiting: deque[Sequence] = deque()
@@ -70,6 +79,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.prefill_first and self.waiting:
+            self._schedule_prefills(out)
+            if out.scheduled:
+                return out
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -137,6 +150,27 @@ class Scheduler:
             return 0
         return max(n - num_steps for n in wanted)
 
+    def _schedule_prefills(self, out: SchedulerOutput) -> None:
+        """A step of prompts only: the running sequences' unfinished prompts (chunked ones), then waiting
+        requests, within the prefill limits. Nothing is preempted here: a prompt chunk that lacks blocks ends
+        the step (scheduling nothing leaves it to the usual step, which preempts)."""
+        budget = self.max_num_batched_tokens
+        if self.max_prefill_tokens is not None:
+            budget = min(budget, self.max_prefill_tokens)
+        limit = self.max_prefill_seqs
+        for seq in self.running:
+            if budget <= 0 or (limit is not None and len(out.scheduled) >= limit):
+                return
+            if seq.num_generated > 0 and seq.num_uncomputed <= 1:
+                continue  # a decode: it waits for the next step
+            num_new = min(seq.num_uncomputed, budget)
+            if not self.block_manager.can_allocate(seq, num_new):
+                return
+            self.block_manager.allocate(seq, num_new)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        self._schedule_waiting(out, budget, limit)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -154,9 +188,11 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, max_seqs: int | None = None) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if max_seqs is not None and len(out.scheduled) >= max_seqs:
+                return
             seq = self.waiting[0]
             if seq.seq_id in self.suspects and any(s.seq_id in self.suspects for s in self.running):
                 return  # one suspect per batch
