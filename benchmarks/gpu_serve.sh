@@ -23,10 +23,10 @@ chattts-velocity bench serve --url "http://127.0.0.1:$PORT" --streams $STREAMS -
     --json "$OUT/bench_serve.json" --plot "$OUT/bench_serve.png"
 rc=$?
 if [ -n "${PROFILE:-}" ]; then  # where the server's CPU goes at $PROFILE streams: samples of running threads
-    chattts-velocity bench serve --url "http://127.0.0.1:$PORT" --streams "$PROFILE" --requests-per-stream 4 \
+    chattts-velocity bench serve --url "http://127.0.0.1:$PORT" --streams "$PROFILE" --requests-per-stream "${PROFILE_REQUESTS:-4}" \
         --json "$OUT/bench_serve_profiled.json" > "$OUT/profiled.txt" 2>&1 &
     BENCH=$!
-    sleep 3
+    sleep "${PROFILE_DELAY:-3}"  # the client processes start (spawned, importing torch) before the level
     # shellcheck disable=SC2086
     py-spy record ${PYSPY_ARGS:---threads -r 200 -d 8} -f raw -o "$OUT/cpu.txt" --pid $SERVER > /dev/null 2>&1
     py-spy dump --pid $SERVER > "$OUT/dump.txt" 2>&1

@@ -487,3 +487,32 @@ def test_prompt_ids_are_checked_against_their_kind(make_engine):
         bad[row, 1] = value
         with pytest.raises(ValueError, match=f"prompt has {kind} ids outside"):
             engine.validate_request(Prompt(bad, mask), SamplingParams())
+
+
+def test_window_tokens_come_back_through_a_contiguous_host_buffer(chat, make_engine):
+    """A window's tokens are copied into a contiguous [K, n, Q] view of the host buffer, also for a batch
+    smaller than the largest: into a [:K, :n] slice torch copies through a pageable temporary, which on CUDA
+    waits for the window in flight."""
+    engine = make_engine(num_decode_steps=4, max_num_seqs=8)
+    windows = []
+    original = engine.worker.launch_window
+    engine.worker.launch_window = lambda *a, **kw: (w := original(*a, **kw), windows.append(w))[0]
+    for i in range(3):
+        engine.add_request(f"w{i}", code_prompt(chat, f"window buffer {i}"), sampled(7 + i, min_new_tokens=9,
+                                                                                     max_new_tokens=12))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert windows and {len(w.seqs) for w in windows} == {3}
+    for w in windows:
+        assert w.tokens.shape == (w.num_steps, 3, 4) and w.tokens.is_contiguous()
+
+
+def test_the_fused_code_table_is_built_once_per_model(chat, make_engine):
+    """The prefill steps and the decode windows embed audio codes through one table, which the codebooks'
+    weights are views of: built once per model, whichever engine asks."""
+    a, b = make_engine(num_decode_steps=4), make_engine(num_decode_steps=4)
+    tables = {id(e.worker.runner._code_table) for e in (a, b)} | {id(e.worker.decoder._code_table) for e in (a, b)}
+    assert len(tables) == 1
+    table = a.worker.runner._code_table
+    emb = chat.model.gpt.embed.emb_code
+    assert all(e.weight.data_ptr() == table[q * e.num_embeddings].data_ptr() for q, e in enumerate(emb))

@@ -40,7 +40,7 @@ class Window:
     seqs: list[Sequence]
     num_steps: int
     hidden: Tensor  # [K, n, H] on the device
-    tokens: Tensor  # [K_max, B_max, Q] int64 host buffer the window's tokens are copied into
+    tokens: Tensor  # [K, n, Q] int64, a contiguous view of the host buffer the window's tokens are copied into
     done: torch.cuda.Event | None  # recorded after that copy (CUDA); None on CPU, where launch is synchronous
 
 
@@ -75,7 +75,11 @@ class MultiStepDecoder:
         # stream, i.e. for the window in flight, which would undo the pipelining.
         pinned = device.type == "cuda"
         width = -(-max_model_len // block_size)
-        self._host_tokens = [torch.zeros(max_steps, max_batch, self.num_vq, dtype=torch.int64, pin_memory=pinned)
+        # Flat: a window's [K, n, Q] tokens go to a contiguous view of it. A non-contiguous destination (a
+        # [:K, :n] slice of a [K_max, B_max, Q] buffer) makes torch copy through a pageable temporary, and so
+        # wait for the window in flight: every launch of a batch smaller than max_batch waited for its whole
+        # window (py-spy of the server at 256 streams, H100), undoing the pipelining.
+        self._host_tokens = [torch.zeros(max_steps * max_batch * self.num_vq, dtype=torch.int64, pin_memory=pinned)
                              for _ in range(2)]
         self._host_tables = [torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._next_host = 0
@@ -222,9 +226,9 @@ class MultiStepDecoder:
             for _ in range(num_steps):
                 graph.replay() if graph is not None else self._step(b, text)
         hidden = self.state.out_hidden[:num_steps, :n].clone()  # the buffer is reused by the next window
-        host = self._host_tokens[self._next_host]
+        host = self._host_tokens[self._next_host][: num_steps * n * self.num_vq].view(num_steps, n, self.num_vq)
         self._next_host ^= 1  # two host buffers: one window in flight while the previous one is read
-        host[:num_steps, :n].copy_(self.state.out_tokens[:num_steps, :n], non_blocking=True)
+        host.copy_(self.state.out_tokens[:num_steps, :n], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -235,7 +239,7 @@ class MultiStepDecoder:
         """Wait for ``window``; tokens[i][j] of sequence i at step j."""
         if window.done is not None:
             window.done.synchronize()
-        tokens = window.tokens[: window.num_steps, : len(window.seqs)].permute(1, 0, 2).tolist()
+        tokens = window.tokens.permute(1, 0, 2).tolist()
         return [[tuple(t) for t in row] for row in tokens]
 
     def _load(self, seqs: list[Sequence], b: int, lanes: int) -> None:

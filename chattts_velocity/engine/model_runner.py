@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,6 +50,8 @@ class ModelRunner:
         self.spk_emb_id = spk_emb_id
         self.sampler = sampler
         self.device = device
+        with torch.no_grad():
+            self._code_table, self._code_offsets = gpt.embed.fuse_code_tables()  # (shared with the decode windows)
         self.prefill: _PaddedPrefill | None = None
         if device.type == "cuda":
             self.prefill = _PaddedPrefill(core, kv_caches, -(-max_model_len // block_size), device)
@@ -63,8 +66,8 @@ class ModelRunner:
     def forward(self, scheduled: list[ScheduledSeq]) -> tuple[Tensor, Tensor]:
         """Run the scheduled tokens through the core (writing their K/V): hidden states [N, H] (core dtype) and
         the rows [S] of each sampling sequence's last token."""
-        ids, is_text, meta, last_rows = self._prepare(scheduled)
-        emb = self._embed(ids, is_text, scheduled)  # [N, H]
+        ids, meta, last_rows, rows = self._prepare(scheduled)
+        emb = self._embed(ids, rows)  # [N, H]
         if self.prefill is not None and not meta.decode_only and self.prefill.fits(len(scheduled), emb.size(0)):
             return self.prefill(emb, meta), last_rows
         return self.core.forward(emb, meta, self.kv_caches), last_rows
@@ -78,13 +81,27 @@ class ModelRunner:
         return StepResult(sampling, tokens, hidden)
 
     def _prepare(self, scheduled: list[ScheduledSeq]):
-        bs = self.block_size
-        ids, is_text, positions, slots, cu, ctx, last_rows = [], [], [], [], [0], [], []
+        """The step's flat inputs on the device: ids [N, num_vq], attention metadata, the rows of each sampling
+        sequence's last token, and the embedding's row indices (text, audio, ``[spk_emb]``) with the speaker
+        vectors. Built on the host and sent in two copies (one per integer width): each torch call on the
+        engine thread lets go of the GIL and waits to take it back from a busy server's other threads, and a
+        boolean mask or a pageable copy would also wait for the device."""
+        bs, spk = self.block_size, self.spk_emb_id
+        ids, positions, slots, cu, ctx, last_rows = [], [], [], [0], [], []
+        text_rows, code_rows, spk_rows, speakers = [], [], [], []
         for item in scheduled:
             seq, start = item.seq, item.start
             end = start + item.num_new_tokens
-            ids += seq.tokens[start:end]
-            is_text += seq.is_text[start:end]
+            row, tokens = len(ids), seq.tokens[start:end]
+            ids += tokens
+            for j, text in enumerate(seq.is_text[start:end]):
+                if not text:
+                    code_rows.append(row + j)
+                    continue
+                text_rows.append(row + j)
+                if seq.speaker is not None and tokens[j][0] == spk:
+                    spk_rows.append(row + j)
+                    speakers.append(seq.speaker)
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -94,31 +111,36 @@ class ModelRunner:
                 last_rows.append(cu[-1] - 1)
         width = max(len(s.seq.block_table) for s in scheduled)
         tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in scheduled]
-        dev = self.device
+        n, q = len(ids), len(ids[0])
+        wide = self._to_device(np.concatenate([np.array(ids, dtype=np.int64).reshape(-1), np.array(
+            positions + slots + last_rows + text_rows + code_rows + spk_rows, dtype=np.int64)]))
+        narrow = self._to_device(np.array(cu + ctx + [t for row in tables for t in row], dtype=np.int32))
+        ids_t, wide = wide[: n * q].view(n, q), wide[n * q :]
+        parts = wide.split([n, n, len(last_rows), len(text_rows), len(code_rows), len(spk_rows)])
+        cu_t, ctx_t, tables_t = narrow.split([len(cu), len(ctx), len(tables) * width])
+        meta = AttentionMetadata(positions=parts[0], slot_mapping=parts[1], cu_seqlens_q=cu_t, context_lens=ctx_t,
+                                 block_tables=tables_t.view(len(tables), width), decode_only=cu[-1] == len(scheduled))
+        speakers_t = None
+        if speakers:
+            speakers_t = torch.stack(speakers)
+            if self.device.type == "cuda":
+                speakers_t = speakers_t.pin_memory().to(self.device, non_blocking=True)
+        return ids_t, meta, parts[2], (parts[3], parts[4], parts[5], speakers_t)
 
-        def i32(v):
-            return torch.tensor(v, dtype=torch.int32, device=dev)
+    def _to_device(self, values: np.ndarray) -> Tensor:
+        host = torch.from_numpy(values)
+        if self.device.type != "cuda":
+            return host
+        # through torch's caching pinned allocator: the copy does not wait for the device, and the block is not
+        # reused before the copy ran
+        return host.pin_memory().to(self.device, non_blocking=True)
 
-        meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cu_seqlens_q=i32(cu), context_lens=i32(ctx), block_tables=i32(tables),
-            decode_only=cu[-1] == len(scheduled),
-        )
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)  # [N, num_vq]
-        return ids_t, torch.tensor(is_text, device=dev), meta, torch.tensor(last_rows, dtype=torch.int64, device=dev)
-
-    def _embed(self, ids: Tensor, is_text: Tensor, scheduled: list[ScheduledSeq]) -> Tensor:
+    def _embed(self, ids: Tensor, rows) -> Tensor:
         """[N, num_vq] ids -> [N, H] embeddings, ChatTTS-style, the speaker vector at ``[spk_emb]`` positions."""
-        emb = self.gpt.embed(ids[None], is_text[None])[0]  # [N, H]
-        offset = 0
-        for item in scheduled:
-            n, seq = item.num_new_tokens, item.seq
-            if seq.speaker is not None:
-                chunk = slice(offset, offset + n)
-                at = is_text[chunk] & ids[chunk, 0].eq(self.spk_emb_id)
-                emb[chunk][at] = seq.speaker.to(device=emb.device, dtype=emb.dtype)
-            offset += n
+        text_rows, code_rows, spk_rows, speakers = rows
+        emb = self.gpt.embed.embed_rows(ids, text_rows, code_rows, self._code_table, self._code_offsets)
+        if speakers is not None:
+            emb[spk_rows] = speakers.to(emb.dtype)
         return emb
 
 

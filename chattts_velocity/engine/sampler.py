@@ -111,7 +111,7 @@ class Sampler:
             idx = [i for i, s in enumerate(seqs) if s.text_mode == text_mode]
             if idx:
                 group = [seqs[i] for i in idx]
-                rows = hidden[torch.tensor(idx, device=hidden.device)]
+                rows = hidden if len(idx) == len(seqs) else hidden[torch.tensor(idx, device=hidden.device)]
                 for i, tok in zip(idx, self._sample_group(rows, group, text_mode), strict=True):
                     tokens[i] = tok
         return tokens
