@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .audio import StreamConfig
+from .gc_freeze import freeze_long_lived, thaw
 from .params import InferCodeParams, RefineTextParams
 from .velocity import audible
 
@@ -140,7 +141,10 @@ class Chat:
         loaded = _build(model, device, engine_config, stream_config or StreamConfig())
         previous, self._loaded = self._loaded, loaded
         if previous is not None:
+            thaw()
             previous.close()
+        if device.type == "cuda":  # (see ``gc_freeze``: full collections of the loaded model's objects)
+            freeze_long_lived()
         self.logger.info("ChatTTS loaded from %s on %s", root or "random weights", device)
         return True
 
@@ -151,6 +155,7 @@ class Chat:
         """Stop the engine and drop the model. An ``infer`` running now raises a ``RuntimeError`` saying so."""
         previous, self._loaded = self._loaded, None
         if previous is not None:
+            thaw()
             previous.close()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -205,3 +205,37 @@ def test_velocity_path_warns_when_a_text_hits_its_length_limit(chat, caplog):
     with caplog.at_level("WARNING", logger="chattts_velocity.velocity"):
         list(chat.infer(["cut me short"], stream=True, skip_refine_text=True, split_text=False, params_infer_code=p))
     assert any("length limit" in r.message for r in caplog.records)
+
+
+def test_freeze_long_lived_keeps_old_objects_out_of_collections_until_thawed():
+    """``gc_freeze``: what lives when it is called moves to the permanent generation, which collections skip
+    (``Chat.load`` on CUDA and the server's warm-up call it); ``thaw`` gives it back to the collector."""
+    import gc
+    import weakref
+
+    from chattts_velocity.gc_freeze import freeze_long_lived, thaw
+
+    class Node:
+        pass
+
+    old = Node()
+    old.self = old  # a cycle: only the collector can free it
+    ref = weakref.ref(old)
+    try:
+        freeze_long_lived()
+        assert gc.get_freeze_count() > 0
+        del old
+        gc.collect()
+        assert ref() is not None  # frozen: not scanned, not freed
+        young = Node()
+        young.self = young
+        young_ref = weakref.ref(young)
+        del young
+        gc.collect()
+        assert young_ref() is None  # created after the freeze: collected as usual
+        thaw()
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert ref() is None
+    finally:
+        gc.unfreeze()

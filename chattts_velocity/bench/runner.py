@@ -20,6 +20,7 @@ from tqdm import tqdm
 from .. import reference
 from ..audio import AudioDecoder
 from ..engine import EngineConfig, LLMEngine
+from ..gc_freeze import freeze_long_lived
 from ..model.checkpoint import write_checkpoint
 from ..model.loader import LoadedModel, ModelLoader
 from ..text import decorate_code_prompts
@@ -145,6 +146,8 @@ def run_bench(config: BenchConfig) -> dict:
     device = torch.device(config.resolved_device)
     torch.manual_seed(config.seed)
     model = load_model(config.size, device, config.seed)
+    if device.type == "cuda":  # as ``Chat.load`` does: the model's objects out of full collections' scans
+        freeze_long_lived()
     meter = MemoryMeter(device)
     ctx = _Context(
         config,

@@ -3,12 +3,12 @@ flight finish (up to ``shutdown_timeout_s``), then the process exits 0. A second
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 
 import uvicorn
 
+from ..gc_freeze import freeze_long_lived
 from .app import build_app
 from .config import ServerConfig
 
@@ -67,8 +67,7 @@ def warm_up(chat, streams: tuple[int, ...] = (1, 8, 37), tokens: int = 64) -> No
     # of the garbage collector's scans, so a full collection (which holds the GIL) walks only what requests
     # create. Measured after it (H100, `bash benchmarks/gpu_serve.sh`, 1/8/64/256 streams): 7 full
     # collections, 0.16 s in all (the `chattts_gc_pause_seconds` metric).
-    gc.collect()
-    gc.freeze()
+    freeze_long_lived()
 
 
 def serve(chat, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
