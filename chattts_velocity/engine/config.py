@@ -48,7 +48,7 @@ class EngineConfig:
     prefill_first: bool | None = None
     """A step that can admit waiting requests computes their prompts only, and the running sequences decode
     in the next step (a window). Mixed into one step, a few new prompts beside hundreds of decodes make a step
-    too large for the prefill CUDA graphs: eager, and on an H100 under a server's load 80-90 ms instead of a
+    too large for the prefill CUDA graphs: eager, and on an H100 under a server's load 80-130 ms instead of a
     few. On CUDA such a step admits no more sequences and tokens than the largest prefill graph takes. None:
     on CUDA only."""
     pipeline_decode: bool | None = None
