@@ -278,3 +278,40 @@ def test_without_prefill_first_new_prompts_join_the_decodes():
     run_step(sched)
     sched.add(make_seq(5, first=100, request_id="new"))
     assert plan(run_step(sched)) == [("old", 1), ("new", 5)]
+
+
+def test_accept_appends_until_eos_or_the_length_limit_and_finishes_there():
+    """``Scheduler.accept``: tokens up to the first EOS (in any codebook) are appended and the sequence ends
+    with EOS; past its length limit nothing is appended, and the limit's reason is LENGTH when the request's
+    own max_new_tokens was reached, CAPACITY when the context or cache capped it first; every accepted step
+    (the EOS step too) counts as computed."""
+    eos = 99
+    sched, bm = make(num_blocks=32)
+    a = make_seq(3, request_id="a", max_new=10)
+    sched.add(a)
+    run_step(sched)  # prefill + the first sampled token (7, 7, 7, 7)
+    length = len(a)
+    assert sched.accept(a, [(1,) * 4, (2, 2, eos, 2), (3,) * 4], eos) == 1
+    assert a.is_finished and a.finish_reason is FinishReason.EOS and a.tokens[-1] == (1,) * 4
+    assert len(a) == length + 1
+    assert bm.num_free_blocks == bm.num_blocks  # finished: its blocks are back
+
+    b = make_seq(3, first=40, request_id="b", max_new=4)
+    sched.add(b)
+    run_step(sched)  # 1 generated, room for 3 more
+    assert sched.accept(b, [(5,) * 4] * 3 + [(eos,) * 4], eos) == 3  # the EOS lies past the limit: unseen
+    assert b.finish_reason is FinishReason.LENGTH and b.num_generated == 4
+
+    c = make_seq(3, first=80, request_id="c", max_new=50)
+    c.max_tokens = 6  # the context (or the KV cache) caps it before its 50 tokens
+    sched.add(c)
+    run_step(sched)
+    assert sched.accept(c, [(6,) * 4] * 5, eos) == 2
+    assert c.finish_reason is FinishReason.CAPACITY and len(c) == 6
+
+    d = make_seq(3, first=120, request_id="d", max_new=50)
+    sched.add(d)
+    run_step(sched)
+    computed = d.num_computed_tokens
+    assert sched.accept(d, [(6,) * 4] * 4, eos) == 4 and not d.is_finished and d.num_generated == 5
+    assert d.num_computed_tokens == computed + 4 and d.num_uncomputed == 1  # the newest token is the next input

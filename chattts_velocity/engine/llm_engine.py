@@ -237,9 +237,7 @@ class LLMEngine:
                     self.scheduler.clear(seq)
             return sampled
         result = self.worker.execute(plan.scheduled)
-        for item in plan.scheduled:  # the last token of a sampling sequence is counted by _accept
-            item.seq.num_computed_tokens += item.num_new_tokens - item.samples
-            self.block_manager.cache_full_blocks(item.seq)
+        self.scheduler.computed(plan.scheduled)
         for i, seq in enumerate(result.seqs):
             self._accept(seq, [result.tokens[i]], result.hidden[i : i + 1])
             # an audio sequence's usual step is a window (when windows are on): it stays a suspect until one ran
@@ -295,27 +293,13 @@ class LLMEngine:
         return self.worker.launch_window(window.seqs, steps, continuing=True) if steps else None
 
     def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:
-        """Append sampled tokens until EOS or the length limit; every accepted step computed one more token."""
+        """Hand sampled tokens to the scheduler (which owns the sequence's state: ``Scheduler.accept``); keep the
+        hidden states of those it took."""
         eos = self.text_eos_id if seq.text_mode else self.model_config.eos_code
-        # any codebook's EOS ends it (a text token repeats its id over the codebooks)
-        ends = next((i for i, token in enumerate(tokens) if eos in token), len(tokens))
-        room = seq.max_tokens - len(seq)
-        hit_eos = ends < min(len(tokens), room)  # an EOS past the length limit is never seen
-        taken = ends if hit_eos else min(len(tokens), room)
-        seq.num_computed_tokens += taken + hit_eos  # the EOS step computed a token too
-        seq.extend(tokens[:taken])
+        taken = self.scheduler.accept(seq, tokens, eos)
         self._totals["num_generated_tokens"] += taken
-        reason = FinishReason.EOS if hit_eos else self._limit(seq) if taken == room else None
         if taken and seq.params.return_hidden_states:
             seq.hidden_chunks.append(hidden[:taken])
-        self.block_manager.cache_full_blocks(seq)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-
-    @staticmethod
-    def _limit(seq: Sequence) -> FinishReason:
-        """Why a sequence stopped at its length limit: the length asked for, or the context/KV cache first."""
-        return FinishReason.LENGTH if seq.num_generated >= seq.params.max_new_tokens else FinishReason.CAPACITY
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         seq, start = group.seq, group.num_reported

@@ -8,6 +8,10 @@ of hundreds of sequences. When blocks run out the most
 recently admitted sequence is preempted: its blocks are freed and it is recomputed later (its prefix may still
 be in the prefix cache).
 
+The scheduler also owns what a step does to its sequences (``computed``, ``accept``, ``finish``: tokens
+appended, tokens computed, full blocks cached, the end and its reason), so every change of a sequence's state
+and blocks happens here or in its block manager; the engine only runs the device work and reports.
+
 After a failed step the engine puts that step's sequences in quarantine: they are preempted and marked as
 suspects, and a batch holds at most one suspect until it has run a step of its usual kind, so a request whose
 presence makes steps fail is found and failed alone. Pure Python: no torch."""
@@ -227,6 +231,32 @@ class Scheduler:
     def clear(self, seq: Sequence) -> None:
         """``seq`` ran a step of its usual kind: no longer a suspect."""
         self.suspects.discard(seq.seq_id)
+
+    # ---------------------------------------------------------------- what a step did (the sequences' state)
+    def computed(self, scheduled: list[ScheduledSeq]) -> None:
+        """A step (not a window) ran ``scheduled``: their tokens are in the KV cache, and full blocks join the
+        prefix cache. A sampling sequence's last token is counted by ``accept``, with its sample."""
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens - item.samples
+            self.block_manager.cache_full_blocks(item.seq)
+
+    def accept(self, seq: Sequence, tokens: list[tuple[int, ...]], eos: int) -> int:
+        """Append ``seq``'s sampled tokens (one per step it ran) until ``eos`` (in any codebook: a text token
+        repeats its id over them) or its length limit, and finish it there; every step counted computed its
+        input token, the EOS step's included. Returns how many tokens were appended."""
+        ends = next((i for i, token in enumerate(tokens) if eos in token), len(tokens))
+        room = seq.max_tokens - len(seq)
+        hit_eos = ends < min(len(tokens), room)  # an EOS past the length limit is never seen
+        taken = ends if hit_eos else min(len(tokens), room)
+        seq.num_computed_tokens += taken + hit_eos
+        seq.extend(tokens[:taken])
+        self.block_manager.cache_full_blocks(seq)
+        if hit_eos:
+            self.finish(seq, FinishReason.EOS)
+        elif taken == room:  # the length asked for, or the context / KV cache first
+            reached = seq.num_generated >= seq.params.max_new_tokens
+            self.finish(seq, FinishReason.LENGTH if reached else FinishReason.CAPACITY)
+        return taken
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` (EOS, length or abort) wherever it is and free its blocks."""
