@@ -507,12 +507,11 @@ def test_window_tokens_come_back_through_a_contiguous_host_buffer(chat, make_eng
         assert w.tokens.shape == (w.num_steps, 3, 4) and w.tokens.is_contiguous()
 
 
-def test_the_fused_code_table_is_built_once_per_model(chat, make_engine):
-    """The prefill steps and the decode windows embed audio codes through one table, which the codebooks'
-    weights are views of: built once per model, whichever engine asks."""
-    a, b = make_engine(num_decode_steps=4), make_engine(num_decode_steps=4)
-    tables = {id(e.worker.runner._code_table) for e in (a, b)} | {id(e.worker.decoder._code_table) for e in (a, b)}
-    assert len(tables) == 1
-    table = a.worker.runner._code_table
+def test_one_fused_code_table_serves_the_prefill_steps_and_the_windows(chat, make_engine):
+    """The prefill steps and the decode windows of an engine embed audio codes through one table, which the
+    codebooks' weights are views of (held once)."""
+    engine = make_engine(num_decode_steps=4)
+    table = engine.worker.runner._code_table
+    assert engine.worker.decoder._code_table is table
     emb = chat.model.gpt.embed.emb_code
     assert all(e.weight.data_ptr() == table[q * e.num_embeddings].data_ptr() for q, e in enumerate(emb))

@@ -268,6 +268,15 @@ def test_prefill_first_admits_prompts_in_steps_of_their_own_within_the_prefill_l
     assert plan(run_step(sched)) == [("new1", 2), ("new2", 3)]  # the chunked prompt first
     out = sched.schedule()
     assert sorted(plan(out)) == sorted((s.request_id, 1) for s in running + new) and out.num_steps == 4
+    for item in out.scheduled:  # that window ran
+        item.seq.num_computed_tokens += 4
+        item.seq.extend([(7,) * 4] * 4)
+    long = make_seq(20, first=400, request_id="long")
+    sched.add(long)
+    assert plan(run_step(sched)) == [("long", 12)]
+    assert not sched.waiting
+    assert plan(run_step(sched)) == [("long", 8)]  # nobody waits, but its next chunk is still a step of its own
+    assert sched.schedule().num_steps == 4
 
 
 def test_without_prefill_first_new_prompts_join_the_decodes():

@@ -59,7 +59,8 @@ class _State:
 
 
 class MultiStepDecoder:
-    def __init__(self, gpt, core: LlamaCore, kv_caches, sampler: Sampler, block_size: int, max_batch: int,
+    def __init__(self, gpt, core: LlamaCore, kv_caches, sampler: Sampler, codes: tuple[Tensor, Tensor],
+                 block_size: int, max_batch: int,
                  max_steps: int, max_model_len: int, device: torch.device, use_cuda_graph: bool):
         self.gpt, self.core, self.kv_caches, self.sampler = gpt, core, kv_caches, sampler
         self.block_size = block_size
@@ -85,8 +86,7 @@ class MultiStepDecoder:
         self._next_host = 0
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         """The captured step of each (batch bucket, text mode)."""
-        with torch.no_grad():
-            self._code_table, self._code_offsets = gpt.embed.fuse_code_tables()  # [Q * V, H], [Q]
+        self._code_table, self._code_offsets = codes  # ``Embed.fuse_code_tables``': [Q * V, H], [Q]
         self._code_vocab = gpt.embed.emb_code[0].num_embeddings
         self._text_table = gpt.embed.emb_text.weight.detach()  # [V_text, H]
         if use_cuda_graph:

@@ -41,7 +41,8 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, gpt, core: LlamaCore, kv_caches: list[tuple[Tensor, Tensor]], block_size: int,
-                 spk_emb_id: int, sampler: Sampler, device: torch.device, max_model_len: int = 4096,
+                 spk_emb_id: int, sampler: Sampler, device: torch.device, codes: tuple[Tensor, Tensor],
+                 max_model_len: int = 4096,
                  use_cuda_graph: bool = False):
         self.gpt = gpt
         self.core = core
@@ -50,8 +51,7 @@ class ModelRunner:
         self.spk_emb_id = spk_emb_id
         self.sampler = sampler
         self.device = device
-        with torch.no_grad():
-            self._code_table, self._code_offsets = gpt.embed.fuse_code_tables()  # (shared with the decode windows)
+        self._code_table, self._code_offsets = codes  # ``Embed.fuse_code_tables``' (the decode windows' too)
         self.prefill: _PaddedPrefill | None = None
         if device.type == "cuda":
             self.prefill = _PaddedPrefill(core, kv_caches, -(-max_model_len // block_size), device)

@@ -1,7 +1,7 @@
 """``Scheduler``: continuous batching. Every step it picks, first come first served, how many tokens of each
 sequence to compute: running sequences first (a decode is one token, a prefill a chunk of its prompt), then
 waiting ones while the token budget, the sequence limit and the KV blocks allow. With ``prefill_first`` a step
-that can admit waiting requests computes prompts only (up to ``max_prefill_seqs`` sequences and
+that has prompts to compute (waiting requests, or a long prompt's next chunk) computes prompts only (up to ``max_prefill_seqs`` sequences and
 ``max_prefill_tokens`` tokens, what one prefill CUDA graph takes) and the running decodes wait for the next
 step, which runs them all as one window: mixed in, hundreds of decodes would make the prefill step an eager one
 of hundreds of sequences. When blocks run out the most
@@ -83,7 +83,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self.prefill_first and self.waiting:
+        if self.prefill_first:  # prompts to compute (waiting, or chunked ones running): a step of their own
             self._schedule_prefills(out)
             if out.scheduled:
                 return out
@@ -165,8 +165,8 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0 or (limit is not None and len(out.scheduled) >= limit):
                 return
-            if seq.num_generated > 0 and seq.num_uncomputed <= 1:
-                continue  # a decode: it waits for the next step
+            if _decodes(seq):
+                continue  # it waits for the next step
             num_new = min(seq.num_uncomputed, budget)
             if not self.block_manager.can_allocate(seq, num_new):
                 return
@@ -269,6 +269,11 @@ class Scheduler:
         seq.finish(reason)
 
 
+def _decodes(seq: Sequence) -> bool:
+    """Its one uncomputed token is one it generated itself: a decode, what the multi-step decoder runs (else it
+    has a prompt, or a preempted sequence's tokens, to compute)."""
+    return seq.num_uncomputed == 1 and seq.num_generated > 0
+
+
 def _is_decode(item: ScheduledSeq) -> bool:
-    """One uncomputed token that the sequence generated itself: what the multi-step decoder runs."""
-    return item.num_new_tokens == 1 and item.samples and item.seq.num_generated > 0
+    return item.num_new_tokens == 1 and _decodes(item.seq)

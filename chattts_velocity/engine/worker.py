@@ -40,11 +40,13 @@ class Worker:
                     self.num_blocks * self._block_bytes(config, gcfg) / 2**30, config.dtype)
         sampler = Sampler(gpt.embed, gcfg.num_vq, gcfg.eos_code, text_eos_id)
         use_graphs = device.type == "cuda" and not config.enforce_eager
+        with torch.no_grad():  # the audio codes' embedding table, one for the prefill steps and the windows
+            codes = gpt.embed.fuse_code_tables()  # [Q * V, H], [Q]
         self.runner = ModelRunner(gpt, self.core, self.kv_caches, config.block_size, spk_emb_id, sampler, device,
-                                  gcfg.max_position_embeddings, use_graphs)
+                                  codes, gcfg.max_position_embeddings, use_graphs)
         self.decoder = None
         if config.num_decode_steps > 1:
-            self.decoder = MultiStepDecoder(gpt, self.core, self.kv_caches, sampler, config.block_size,
+            self.decoder = MultiStepDecoder(gpt, self.core, self.kv_caches, sampler, codes, config.block_size,
                                             config.max_num_seqs,
                                             config.num_decode_steps, gcfg.max_position_embeddings, device,
                                             use_graphs)

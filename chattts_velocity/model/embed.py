@@ -49,14 +49,8 @@ class Embed(nn.Module):
     def fuse_code_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The code embeddings as one [num_vq * V, H] table, which the per-codebook weights become views of (so
         they are held once), and each codebook's row offset in it [num_vq], for ``embed_codes``."""
-        fused = getattr(self, "_fused_codes", None)
-        if fused is not None and all(  # built before and still what the weights are views of: the same table
-                e.weight.data_ptr() == fused[0][q * e.num_embeddings].data_ptr() and e.weight.device == fused[0].device
-                for q, e in enumerate(self.emb_code)):
-            return fused
         table = stacked_weights(list(self.emb_code))
         offsets = torch.arange(self.num_vq, device=table.device) * self.emb_code[0].num_embeddings
-        self._fused_codes = table, offsets
         return table, offsets
 
     def embed_rows(self, ids: torch.Tensor, text_rows: torch.Tensor, code_rows: torch.Tensor,

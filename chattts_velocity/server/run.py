@@ -37,8 +37,8 @@ def warm_up(chat, streams: tuple[int, ...] = (1, 8, 37), tokens: int = 64) -> No
     the allocator) so that the first clients do not pay for it: on an H100 the first request after start-up
     took 3.8 s to its first audio, the second 0.1 s. Each level starts its streams together, then again a
     few ms apart (prefills beside running decodes), with a speaker and a prompt that hits the prefix cache;
-    37 streams make prefill steps of more sequences than the prefill CUDA graphs hold, which run eagerly.
-    With this warm-up and an empty Triton cache, a fresh H100 compiled no kernel while serving 1, 8 and then
+    37 streams arrive as more prompts than one prefill CUDA graph takes (16), so several prefill steps come in
+    a row, and decode in larger window batches. With this warm-up and an empty Triton cache, a fresh H100 compiled no kernel while serving 1, 8 and then
     64 streams (`benchmarks/first_level.sh`, one run; before the prefill kernel stopped specialising on the
     batch, the 64 streams compiled two and two steps took 1.1-1.2 s)."""
 
