@@ -49,8 +49,8 @@ class EngineConfig:
     """A step that has prompts to compute (waiting requests, a long prompt's next chunk) computes prompts only,
     and the running sequences decode in the next step (a window). Mixed into one step, a few new prompts beside
     hundreds of decodes make a step too large for the prefill CUDA graphs: eager, and on an H100 under a
-    server's load 82-134 ms instead of a few. On CUDA such a step admits no more sequences and tokens than the largest prefill graph takes. None:
-    on CUDA only."""
+    server's load 82-134 ms instead of a few. On CUDA such a step admits no more sequences and tokens than the
+    largest prefill graph takes. None: on CUDA only."""
     pipeline_decode: bool | None = None
     """Queue the next decode window before reading the current one's tokens while the batch cannot change, so
     host work overlaps the device's. None: on CUDA only (on CPU the window runs inside the launch, so it would

@@ -239,9 +239,7 @@ class MultiStepDecoder:
         """Wait for ``window``; tokens[i][j] of sequence i at step j."""
         if window.done is not None:
             window.done.synchronize()
-        # through numpy (a view of the host buffer): torch's tolist of the permuted view took most of a
-        # collect's host time at 256 sequences (py-spy of `chattts-velocity bench --batch 256`, H100)
-        return [list(map(tuple, row)) for row in window.tokens.numpy().transpose(1, 0, 2).tolist()]
+        return [[tuple(t) for t in row] for row in window.tokens.permute(1, 0, 2).tolist()]
 
     def _load(self, seqs: list[Sequence], b: int, lanes: int) -> None:
         """Copy the batch's state into the static buffers; padding rows write nothing and are ignored."""
