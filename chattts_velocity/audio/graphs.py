@@ -70,7 +70,8 @@ class DecodeGraphs:
     def __init__(self, decoder: DVAE, vocos: Vocos, device: torch.device, lengths: Iterable[int]):
         self.decoder, self.vocos, self.device = decoder, vocos, device
         self.lengths = frozenset(lengths)
-        """Window lengths (tokens) that run as graphs; others run eagerly (a stream's last window)."""
+        """Window lengths (tokens) that run as graphs; others run eagerly (the last windows of a stream shorter
+        than its longest window: the others take more context to one of these, see ``AudioStream``)."""
         self.width = 2 * decoder.config.decoder.idim
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
         """(length, bucket, tf32) -> the graph, its input and output buffers, and the envelope it reads (held
