@@ -3,10 +3,13 @@ torch references' results bit for bit."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from chattts_velocity import kernels as K
 from chattts_velocity.kernels import decode_cpu
+from chattts_velocity.kernels.sample import row_hash, uniform_at, uniform_from_hash
 from chattts_velocity.kernels.sampling import WindowSampler, sample_rows_fused_ref
 from chattts_velocity.model.embed import Embed
 
@@ -60,13 +63,31 @@ def test_linear_cpu_equals_fused_linear_ref_bit_for_bit():
         assert torch.equal(decode_cpu.rms_norm_cpu(x, norm, torch.tensor(eps)), K.rms_norm_ref(x, norm, eps))
 
 
-def test_window_sampler_equals_the_reference_chain_step_by_step():
+@pytest.mark.parametrize("way", ["chain", "partition", "few"])
+def test_window_sampler_equals_the_reference_chain_step_by_step(way, monkeypatch):
+    """Every way of sampling: the whole chain (a row without top-k); among each row's top-k candidates (every
+    row's top_k <= MAX_CANDIDATES), from a partition, and for peaked rows from their few largest logits; a tie
+    at the C-th largest logit falls back to the chain."""
+    ran = {"few": 0, "partition": 0}
+    few, partition = WindowSampler._few_largest, WindowSampler._c_largest
+
+    def spy(name, method):
+        def call(self, *args):
+            out = method(self, *args)
+            ran[name] += out is not None
+            return out
+        return call
+
+    monkeypatch.setattr(WindowSampler, "_few_largest", spy("few", few))
+    monkeypatch.setattr(WindowSampler, "_c_largest", spy("partition", partition))
+    candidates = way != "chain"
     gen = torch.Generator().manual_seed(2)
-    rows, vocab, width, steps, eos = 6, 50, 8, 5, 49
+    rows, vocab, width, steps, eos = 6, 50, 8, 6, 49
     params = dict(
         temperature=torch.tensor([[0.3], [1.0], [0.7], [1e-5], [1.0], [0.5]]),
-        top_p=torch.tensor([[0.7], [1.0], [0.9], [1.0], [0.5], [1.0]]),
-        top_k=torch.tensor([20, 1 << 30, 5, 1 << 30, 3, 2]),
+        top_p=torch.tensor([[0.7], [0.8], [0.9], [0.5], [0.5], [0.95]] if way == "few"  # top-p on: 3 kept
+                           else [[0.7], [1.0], [0.9], [1.0], [0.5], [1.0]]),
+        top_k=torch.tensor([20, 7, 5, 9, 3, 2] if candidates else [20, 1 << 30, 5, 1 << 30, 3, 2]),
         penalty=torch.tensor([[1.05], [1.0], [1.3], [1.0], [2.0], [1.0]]),
         window=torch.tensor([8, 8, 3, 8, 0, 5]),
         min_new=torch.tensor([0, 3, 10, 2, 0, 1]),  # bans EOS for some rows in some steps
@@ -80,8 +101,12 @@ def test_window_sampler_equals_the_reference_chain_step_by_step():
         if not penalised:
             params["penalty"] = torch.ones(rows, 1)
         sample = WindowSampler(**params, eos_id=eos, vocab=vocab, width=width, num_steps=steps)
+        assert sample.fast is candidates
         for j in range(steps):
-            logits = torch.randn(rows, vocab, generator=gen)
+            logits = torch.randn(rows, vocab, generator=gen) * (12 if way == "few" else 1)
+            if j == steps - 1:  # a tie at the 20th largest logit of row 0: more than 20 ids at or above it
+                top = logits[0].topk(21).values
+                logits[0][logits[0] == top[19]] = top[20]
             step = params["step"] + j
             hist = history[:, j : j + width]
             expected = sample_rows_fused_ref(logits, **{**params, "step": step}, history=hist.contiguous(),
@@ -89,6 +114,17 @@ def test_window_sampler_equals_the_reference_chain_step_by_step():
             got = sample(logits, hist, j)
             assert torch.equal(got, expected)
             history[:, width + j] = got
+    if way == "few":
+        assert ran["few"] >= steps  # most steps settled by the few largest
+    elif way == "partition":
+        assert ran == {"few": 0, "partition": 2 * (steps - 1)}  # the last step of each: the tie, the chain
+
+
+def test_uniforms_at_some_ids_are_the_whole_rows_uniforms_there():
+    hashes = row_hash(np.array([3, -1, 1 << 40]), np.array([0, 5, 9]), np.array([0, 1, 3]))
+    columns = np.array([[0, 5, 625], [17, 17, 2], [400, 1, 0]])
+    whole = uniform_from_hash(hashes, 626)
+    assert np.array_equal(uniform_at(hashes, columns, 626), np.take_along_axis(whole, columns, 1))
 
 
 def test_embed_codes_equals_embed_step_bit_for_bit():

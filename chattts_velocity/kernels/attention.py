@@ -77,11 +77,12 @@ def paged_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
     if batch == 0:
         return torch.empty_like(q)
     slots, visible = _decode_slots(block_tables, context_lens, k_cache.shape[1])  # [B, T] each
-    k, v = (_repeat_heads(c.flatten(0, 1)[slots], num_heads) for c in (k_cache, v_cache))  # [B, T, Hq, D]
-    # matmuls over [B, Hq] rather than einsum: this runs every layer of every CPU decode step
-    scores = torch.matmul(q.float()[:, :, None, :], k.permute(0, 2, 3, 1))[:, :, 0] * scale  # [B, Hq, T]
+    # [B, Hq, T, D]: each head's rows contiguous, so the matmuls read K transposed without copying it (the CPU
+    # decode step's dense copies have this layout: its results are these, bit for bit)
+    k, v = (_repeat_heads(c.flatten(0, 1)[slots], num_heads).transpose(1, 2).contiguous() for c in (k_cache, v_cache))
+    scores = torch.matmul(q.float()[:, :, None, :], k.transpose(2, 3))[:, :, 0] * scale  # [B, Hq, T]
     probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
-    out = torch.matmul(probs.nan_to_num(0.0)[:, :, None, :], v.transpose(1, 2))[:, :, 0]  # empty context: zeros
+    out = torch.matmul(probs.nan_to_num(0.0)[:, :, None, :], v)[:, :, 0]  # empty context: zeros
     return out.to(q.dtype)
 
 

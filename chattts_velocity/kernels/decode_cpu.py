@@ -28,10 +28,11 @@ class DecodeContext:
     sin: Tensor  # [N, 1, D] float32: [-sin, sin]
     store_slots: Tensor  # [M] int64: cache slots of the tokens that write K/V
     store_rows: Tensor | None  # [M] int64: which tokens those are; None: all N, in order
-    gather: Tensor  # [N * T] int64: cache slot of each sequence's first T tokens (past its context: any slot)
     masked: Tensor | None  # [N, 1, T] bool: past the sequence's context; None: every position is in context
     context: int  # T
     scale: Tensor  # [] float32: the softmax scale
+    window: DecodeWindow  # holds each layer's K/V of the window's sequences (``DecodeWindow.kv``)
+    step: int  # which of the window's steps this is
 
 
 def linear_cpu(x: Tensor, weight: Tensor, *, norm_weight: Tensor | None = None, eps: Tensor | None = None,
@@ -66,8 +67,12 @@ def _count(n: int) -> Tensor:
 
 class DecodeWindow:
     """The contexts of K consecutive decode steps of the same N sequences (one step: K = 1). Their block tables
-    do not change between the steps, so the cache rows of every step's attention are one [N, T] table sliced
-    per step, and the rotary angles of all steps one gather."""
+    do not change between the steps, so the rotary angles of all steps are one gather, and each layer's K/V of
+    the window's sequences are gathered from the paged cache once, at the layer's first step, into a dense
+    [N, Hk, T, D] copy (``kv``) that every step extends by its new token and attends over without another
+    gather (before, each layer of each step gathered its [N * T] cache rows; the attention matmuls read the
+    dense copy without a transposing copy too: at full size, batch 8, 300 tokens, the scores took 0.11 ms
+    instead of 1.05)."""
 
     def __init__(self, positions: list[list[int]], slots: list[list[int]], block_tables: Tensor,
                  cos_sin_cache: Tensor, block_size: int, scale: float):
@@ -84,6 +89,8 @@ class DecodeWindow:
         self.cos, self.sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)  # [K, N, 1, D] each
         self.store_slots = torch.tensor(slots, dtype=torch.int64)  # [K, N]
         self.scale = torch.tensor(scale, dtype=torch.float32)
+        self._kv: dict[int, tuple[Tensor, Tensor]] = {}  # id(k_cache) -> the layer's dense K and V
+        self._writes: dict[tuple[int, int], Tensor] = {}  # (step, Hk) -> rows of the dense copies it writes
 
     def context(self, j: int) -> DecodeContext:
         """Step ``j``'s."""
@@ -98,14 +105,37 @@ class DecodeWindow:
         if min(positions) + 1 < longest:
             masked = (self.t[None, :longest] > self.position_t[j, :, None])[:, None]  # [N, 1, T]
         return DecodeContext(cos=self.cos[j], sin=self.sin[j], store_slots=store_slots, store_rows=store_rows,
-                             gather=self.gather[:, :longest].reshape(-1), masked=masked, context=longest,
-                             scale=self.scale)
+                             masked=masked, context=longest, scale=self.scale, window=self, step=j)
+
+    def kv(self, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """The layer's dense K and V [N, Hk, T, D] float32 (T: the window's longest context): its cache's rows
+        at the layer's first step of the window, then kept up to date by ``store``."""
+        pair = self._kv.get(id(k_cache))
+        if pair is None:
+            n, t = self.gather.shape
+            kv_heads, head_dim = k_cache.shape[2:]
+            pair = tuple(c.view(-1, kv_heads, head_dim).index_select(0, self.gather.view(-1)).view(n, t, kv_heads, head_dim)
+                         .transpose(1, 2).float().contiguous() for c in (k_cache, v_cache))
+            self._kv[id(k_cache)] = pair
+        return pair
+
+    def store(self, ctx: DecodeContext, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+        """Step ``ctx.step``'s new K and V [M, Hk, D] (of the rows that write) into the layer's dense copies."""
+        dense_k, dense_v = self.kv(k_cache, v_cache)
+        n, kv_heads, t, head_dim = dense_k.shape
+        rows = self._writes.get((ctx.step, kv_heads))
+        if rows is None:  # [M * Hk]: row (i * Hk + h) * T + position of [N * Hk * T, D]
+            seqs = torch.arange(n) if ctx.store_rows is None else ctx.store_rows
+            rows = ((seqs * kv_heads)[:, None] + torch.arange(kv_heads)) * t + self.position_t[ctx.step, seqs, None]
+            rows = self._writes[ctx.step, kv_heads] = rows.view(-1)
+        dense_k.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).float())
+        dense_v.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).float())
 
 
 def rotary_store_kv_cpu(qkv: Tensor, num_heads: int, num_kv_heads: int, ctx: DecodeContext, k_cache: Tensor,
                         v_cache: Tensor) -> Tensor:
     """qkv [N, (Hq + 2 Hk) * D] -> rotated q [N, Hq, D]; the rotated k and v go to the caches (as
-    ``rotary_store_kv_ref``; q and k rotate together, being adjacent in qkv)."""
+    ``rotary_store_kv_ref``; q and k rotate together, being adjacent in qkv) and to the window's dense copies."""
     n, head_dim = qkv.size(0), k_cache.size(3)
     qk, v = qkv.view(n, -1, head_dim).split([num_heads + num_kv_heads, num_kv_heads], 1)  # [N, Hq + Hk | Hk, D]
     # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] as qk * [cos, cos] + [x2, x1] * [-sin, sin]: a + (-b) is
@@ -117,22 +147,23 @@ def rotary_store_kv_cpu(qkv: Tensor, num_heads: int, num_kv_heads: int, ctx: Dec
         k, v = k[ctx.store_rows], v[ctx.store_rows]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.store_slots, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.store_slots, v)
+    # the dense copies take what the cache holds (its dtype's rounding); a row past its limit writes neither
+    ctx.window.store(ctx, k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache)
     return q
 
 
 def decode_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: DecodeContext) -> Tensor:
-    """q [N, Hq, D] -> out [N, Hq, D], as ``paged_decode_attention_ref`` (every context non-empty)."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.size(2)
-
-    def rows(cache: Tensor) -> Tensor:  # [N, T, Hq, D] float32
-        x = cache.view(-1, num_kv_heads, head_dim).index_select(0, ctx.gather)
-        x = x.view(batch, ctx.context, num_kv_heads, head_dim)
-        return (x if num_heads == num_kv_heads else x.repeat_interleave(num_heads // num_kv_heads, 2)).float()
-
-    k, v = rows(k_cache), rows(v_cache)
-    scores = torch.matmul(q.float().unsqueeze(2), k.permute(0, 2, 3, 1)).squeeze(2) * ctx.scale  # [N, Hq, T]
+    """q [N, Hq, D] -> out [N, Hq, D], as ``paged_decode_attention_ref`` (every context non-empty), over the
+    window's dense copies of the layer's K/V (``DecodeWindow.kv``)."""
+    num_heads = q.size(1)
+    k, v = (_repeat_heads(x[:, :, : ctx.context], num_heads) for x in ctx.window.kv(k_cache, v_cache))
+    scores = torch.matmul(q.float().unsqueeze(2), k.transpose(2, 3)).squeeze(2) * ctx.scale  # [N, Hq, T]
     if ctx.masked is not None:
         scores = scores.masked_fill(ctx.masked, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # as the reference, where a score overflowed
-    return torch.matmul(probs.unsqueeze(2), v.transpose(1, 2)).squeeze(2).to(q.dtype)  # [N, Hq, D]
+    return torch.matmul(probs.unsqueeze(2), v).squeeze(2).to(q.dtype)  # [N, Hq, D]
+
+
+def _repeat_heads(x: Tensor, num_heads: int) -> Tensor:
+    """[N, Hk, T, D] -> [N, Hq, T, D]: each KV head repeated for its group of query heads."""
+    return x if x.size(1) == num_heads else x.repeat_interleave(num_heads // x.size(1), 1)

@@ -56,7 +56,16 @@ def row_hash(seed: np.ndarray, step: np.ndarray, lane: np.ndarray) -> np.ndarray
 
 def uniform_from_hash(h: np.ndarray, vocab: int) -> np.ndarray:
     """Row hashes [...] uint32 -> the uniforms [..., vocab] float32 of ``counter_uniform``."""
-    bits = _mix32(h[..., None] ^ _column_hash(vocab))  # [..., V]
+    return _uniform(_mix32(h[..., None] ^ _column_hash(vocab)))  # [..., V]
+
+
+def uniform_at(h: np.ndarray, columns: np.ndarray, vocab: int) -> np.ndarray:
+    """Row hashes [R] uint32, ids [R, C] -> the uniforms [R, C] of those ids only (``uniform_from_hash``'s
+    values at ``columns``): a sampler that knows which ids can win draws for those alone."""
+    return _uniform(_mix32(h[:, None] ^ _column_hash(vocab)[columns]))
+
+
+def _uniform(bits: np.ndarray) -> np.ndarray:
     u = ((bits >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / (1 << 24))
     return np.minimum(u, np.float32(U_MAX))
 
