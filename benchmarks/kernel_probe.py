@@ -36,8 +36,9 @@ def graph_time(fn, reps: int = 30) -> float:
     return statistics.median(times)
 
 
-def fused_probe(dtype) -> None:
-    """The four linear roles of a layer: the fused Triton kernel (config sweep) vs the unfused ops."""
+def fused_probe(dtype, rows=(1, 16, 64, 128)) -> None:
+    """The four linear roles of a layer: the fused Triton kernel (config sweep) vs the unfused ops, at each of
+    ``rows`` rows (``--rows``)."""
     from chattts_velocity.kernels._triton.linear import fused_linear_triton
 
     roles = {"qkv+norm": (2304, 768, True, False), "o": (768, 768, False, False),
@@ -47,7 +48,7 @@ def fused_probe(dtype) -> None:
         ws = [torch.randn(n * (2 if gated else 1), k, device="cuda", dtype=dtype) * 0.02 for _ in range(20)]
         nw = torch.ones(k, device="cuda", dtype=dtype)
         floor_us = ws[0].numel() * 2 / 3.0e12 * 1e6
-        for m in (1, 16, 64, 128):
+        for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             res = torch.randn(m, k, device="cuda", dtype=dtype) if norm else None
             kw = dict(norm_weight=nw if norm else None, eps=1e-6, residual=res, gated=gated)
@@ -238,10 +239,11 @@ def audio_probe() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="+", default=["fused", "attention", "audio"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128], help="the fused probe's batch rows")
     args = ap.parse_args()
     torch.manual_seed(0)
     if "fused" in args.parts:
-        fused_probe(torch.float16)
+        fused_probe(torch.float16, tuple(args.rows))
     if "gemv" in args.parts:
         gemv_probe(torch.float16)
     if "attention" in args.parts:
