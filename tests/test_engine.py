@@ -374,6 +374,7 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(chat, make_engin
     good = code_prompt(chat, "good")
     engine.add_request("good", good, params(min_new_tokens=4, max_new_tokens=4))
     ids, mask = good.ids, good.text_mask
+    hidden = chat.model.config.hidden_size
     bad = [
         ("empty prompt", Prompt(ids[:0], mask[:0]), params(), "empty"),
         ("too long for the cache", Prompt(ids.repeat(6, 1), mask.repeat(6)), params(), "KV cache"),
@@ -387,6 +388,11 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(chat, make_engin
         ("float ids", Prompt(ids.float(), mask), params(), "integer tensor"),
         ("mask shape", Prompt(ids, mask[:-1]), params(), "text_mask"),
         ("speaker shape", Prompt(ids, mask, torch.ones(3)), params(), "speaker"),
+        # checked through numpy where numpy has the dtype (no torch op on a request thread), else by torch
+        ("speaker NaN", Prompt(ids, mask, torch.full((hidden,), float("nan"), dtype=torch.float16)), params(),
+         "finite"),
+        ("speaker inf, bfloat16", Prompt(ids, mask, torch.full((hidden,), float("inf"), dtype=torch.bfloat16)),
+         params(), "finite"),
         ("duplicate id", good, params(), "already in use"),
     ]
     for name, prompt, p, match in bad:
@@ -398,6 +404,20 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(chat, make_engin
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].request_id == "good" and outs[-1].num_generated == 4
+
+
+def test_a_speaker_vector_is_kept_as_float32_whatever_its_dtype(chat, make_engine):
+    """The sequence's speaker (its embedding and its prefix-cache key) is the vector in float32, whether
+    converted through numpy (float16) or torch (bfloat16), and the caller's tensor is left alone."""
+    engine = make_engine()
+    good = code_prompt(chat, "a voice", spk=chat.sample_random_speaker())
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        spk = good.speaker.to(dtype)
+        seq = engine.make_sequence(f"speaker-{dtype}", Prompt(good.ids, good.text_mask, spk), params())
+        assert seq.speaker.dtype == torch.float32 and torch.equal(seq.speaker, spk.float())
+        assert seq.speaker.data_ptr() != spk.data_ptr()
+    same = [engine.make_sequence(f"key-{i}", good, params()).speaker_key for i in range(2)]
+    assert same[0] == same[1] != b""
 
 
 def test_length_is_capped_by_the_model_context(chat, make_engine):

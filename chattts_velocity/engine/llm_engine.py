@@ -15,6 +15,7 @@ import logging
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .block_manager import BlockSpaceManager
@@ -114,7 +115,7 @@ class LLMEngine:
 
     def _sequence(self, seq_id, request_id, tokens, is_text, speaker, params, seed) -> Sequence:
         capacity = self.kv_capacity
-        speaker = None if speaker is None else speaker.detach().to(torch.float32).cpu()
+        speaker = None if speaker is None else _float32_host(speaker)
         speaker_key = b"" if speaker is None else hashlib.blake2b(speaker.numpy().tobytes(), digest_size=16).digest()
         max_tokens = min(len(tokens) + params.max_new_tokens, self.max_model_len, capacity)
         return Sequence(seq_id, request_id, tokens, is_text, speaker, speaker_key, params, seed, max_tokens)
@@ -160,7 +161,7 @@ class LLMEngine:
                 raise ValueError(f"prompt has {name} ids outside [0, {limit})")
         spk = prompt.speaker
         if spk is not None and (not isinstance(spk, torch.Tensor) or spk.shape != (cfg.hidden_size,)
-                                or not spk.is_floating_point() or not torch.isfinite(spk).all()):
+                                or not spk.is_floating_point() or not _finite(spk)):
             raise ValueError(f"prompt.speaker must be None or a finite float tensor [{cfg.hidden_size}]")
         return [tuple(t) for t in rows], is_text
 
@@ -316,3 +317,24 @@ class LLMEngine:
             out.token_ids = seq.output_ids()
             out.hidden_states = seq.output_hidden(self.model_config.hidden_size)
         return out
+
+
+# A request's preparation runs on a server's worker threads; every torch op there lets go of the GIL and must
+# take it back from a busy engine thread (up to a switch interval, 5 ms, each: `benchmarks/prepare_gil.py`).
+# A CPU vector of a dtype numpy has goes through numpy instead, which keeps the GIL.
+def _host_array(vec: torch.Tensor) -> np.ndarray | None:
+    if vec.device.type != "cpu" or vec.dtype == torch.bfloat16 or vec.requires_grad:
+        return None
+    return vec.numpy()
+
+
+def _finite(vec: torch.Tensor) -> bool:
+    host = _host_array(vec)
+    return bool(np.isfinite(host).all()) if host is not None else bool(torch.isfinite(vec).all())
+
+
+def _float32_host(vec: torch.Tensor) -> torch.Tensor:
+    host = _host_array(vec)
+    if host is not None:
+        return torch.from_numpy(host.astype(np.float32))  # a copy, as .to() of another dtype makes
+    return vec.detach().to(torch.float32).cpu()

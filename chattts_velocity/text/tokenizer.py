@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 from transformers import BertTokenizerFast
 
@@ -37,7 +38,6 @@ class Tokenizer:
     def count(self, text: str) -> int:
         return len(self.ids(text))
 
-    @torch.inference_mode()
     def encode(
         self,
         text: list[str],
@@ -58,20 +58,24 @@ class Tokenizer:
                     f"prompt must be audio codes of shape [num_vq={num_vq}, length], got {tuple(prompt.shape)}"
                 )
             prompt_len = prompt.size(1)
+        # built in numpy and wrapped once: each torch op lets go of the GIL and must take it back, which beside
+        # a busy engine thread costs up to a switch interval (5 ms) an op (`benchmarks/prepare_gil.py`)
         rows = [self.ids(t) for t in text]
         width = max((len(r) for r in rows), default=0) + prompt_len
-        ids = torch.zeros(len(rows), width, dtype=torch.int64)
-        mask = torch.zeros(len(rows), width, dtype=torch.int64)
+        ids = np.zeros((len(rows), width, num_vq), dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
         text_end = width - prompt_len
         for i, row in enumerate(rows):
-            ids[i, text_end - len(row) : text_end] = torch.tensor(row, dtype=torch.int64)
+            ids[i, text_end - len(row) : text_end] = np.asarray(row, dtype=np.int64)[:, None]
             mask[i, text_end - len(row) :] = 1
-        input_ids = ids.unsqueeze(-1).expand(-1, -1, num_vq).clone()
-        text_mask = mask.bool()
+        text_mask = mask.astype(bool)
         if prompt_len:
-            input_ids[:, text_end:] = prompt.t().to(torch.int64)
+            ids[:, text_end:] = prompt.detach().cpu().numpy().T
             text_mask[:, text_end:] = False
-        return input_ids.to(device), mask.to(device), text_mask.to(device)
+        out = torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(text_mask)
+        if torch.device(device).type == "cpu":
+            return out
+        return tuple(t.to(device) for t in out)
 
     def decode(self, sequences: list[list[int]] | list[torch.Tensor]) -> list[str]:
         """Text of each id sequence, special tokens kept (they carry the refiner's [uv_break] & co.)."""
