@@ -20,7 +20,10 @@ def _cache(gen: torch.Generator, blocks: int, kv_heads: int, dim: int) -> tuple[
     return tuple(torch.randn(blocks, BLOCK, kv_heads, dim, generator=gen) for _ in range(2))
 
 
-def test_decode_window_layers_equal_the_references_bit_for_bit():
+@pytest.mark.parametrize("dense_bytes", [decode_cpu.DENSE_KV_BYTES, 0])
+def test_decode_window_layers_equal_the_references_bit_for_bit(dense_bytes, monkeypatch):
+    """With the layers' dense K/V copies kept across the steps, and (over the budget) gathered every step."""
+    monkeypatch.setattr(decode_cpu, "DENSE_KV_BYTES", dense_bytes)
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, steps = 4, 2, 16, 3
     k_cache, v_cache = _cache(gen, 16, kv_heads, dim)
@@ -45,6 +48,7 @@ def test_decode_window_layers_equal_the_references_bit_for_bit():
         assert torch.equal(rotated, q)
         assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
         assert torch.equal(decode_cpu.decode_attention_cpu(rotated, k_cache, v_cache, ctx), expected)
+    assert len(window._kv) == (1 if dense_bytes else 0)  # the copy kept, or none
 
 
 def test_linear_cpu_equals_fused_linear_ref_bit_for_bit():

@@ -65,6 +65,12 @@ def _count(n: int) -> Tensor:
     return torch.tensor(float(n))
 
 
+DENSE_KV_BYTES = 512 << 20
+"""Most bytes of dense K/V copies one CPU decode window keeps (``DecodeWindow.kv``): they hold every sequence
+padded to the longest context, so a large batch beside one long sequence could otherwise take many times the
+paged cache's own size; the layers past it gather their cache rows at every step instead, as before."""
+
+
 class DecodeWindow:
     """The contexts of K consecutive decode steps of the same N sequences (one step: K = 1). Their block tables
     do not change between the steps, so the rotary angles of all steps are one gather, and each layer's K/V of
@@ -90,6 +96,7 @@ class DecodeWindow:
         self.store_slots = torch.tensor(slots, dtype=torch.int64)  # [K, N]
         self.scale = torch.tensor(scale, dtype=torch.float32)
         self._kv: dict[int, tuple[Tensor, Tensor]] = {}  # id(k_cache) -> the layer's dense K and V
+        self._kept = 0  # their bytes
         self._writes: dict[tuple[int, int], Tensor] = {}  # (step, Hk) -> rows of the dense copies it writes
 
     def context(self, j: int) -> DecodeContext:
@@ -109,18 +116,30 @@ class DecodeWindow:
 
     def kv(self, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
         """The layer's dense K and V [N, Hk, T, D] float32 (T: the window's longest context): its cache's rows
-        at the layer's first step of the window, then kept up to date by ``store``."""
+        at the layer's first step of the window, then kept up to date by ``store``. Copies are kept while all
+        of the window's fit in ``DENSE_KV_BYTES``; a layer past that is gathered again at every step."""
         pair = self._kv.get(id(k_cache))
         if pair is None:
             n, t = self.gather.shape
             kv_heads, head_dim = k_cache.shape[2:]
             pair = tuple(c.view(-1, kv_heads, head_dim).index_select(0, self.gather.view(-1)).view(n, t, kv_heads, head_dim)
                          .transpose(1, 2).float().contiguous() for c in (k_cache, v_cache))
-            self._kv[id(k_cache)] = pair
+            if self._fits(k_cache):
+                self._kv[id(k_cache)] = pair
+                self._kept += self._bytes(k_cache)
         return pair
 
+    def _bytes(self, k_cache: Tensor) -> int:
+        return 2 * self.gather.numel() * k_cache.shape[2] * k_cache.shape[3] * 4  # K and V, float32
+
+    def _fits(self, k_cache: Tensor) -> bool:
+        return self._kept + self._bytes(k_cache) <= DENSE_KV_BYTES
+
     def store(self, ctx: DecodeContext, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
-        """Step ``ctx.step``'s new K and V [M, Hk, D] (of the rows that write) into the layer's dense copies."""
+        """Step ``ctx.step``'s new K and V [M, Hk, D] (of the rows that write) into the layer's dense copies
+        (none for a layer gathered at every step: its cache has them)."""
+        if id(k_cache) not in self._kv and not self._fits(k_cache):
+            return
         dense_k, dense_v = self.kv(k_cache, v_cache)
         n, kv_heads, t, head_dim = dense_k.shape
         rows = self._writes.get((ctx.step, kv_heads))
