@@ -150,6 +150,14 @@ def test_split_long_with_tokenizer(tok_dir):
     assert all(tok.count(p) <= 20 for p in pieces)
 
 
+def test_a_token_covers_at_least_one_character(tok_dir):
+    """What lets ``prepare_texts`` skip counting a text no longer than its token limit in characters."""
+    tok = Tokenizer(tok_dir)
+    for text in ["hello world", "今天天气很好", "naïve café", "ﬁne ﬀ", "emoji 😀🎉", "[uv_break] and [laugh]", "a" * 50,
+                 "x", "¼ ½ ² ³", "Ⅻ ㎏ ㍻", "ｆｕｌｌ", "\u0301\u0301 combining", "tab\tnew\nline", "١٢٣", "क्षत्रिय"]:
+        assert tok.count(text) <= len(text), text
+
+
 def test_split_long_cuts_unbreakable_runs_at_characters():
     assert split_long("ok. abcdefghijk", len, 8) == ["ok. ", "abcdefgh", "ijk"]
     tags_as_one = lambda text: len(re.sub(r"\[\w+\]", "#", text))  # noqa: E731 - as the tokenizer counts them
