@@ -329,3 +329,52 @@ def test_health_check_reports_a_stalled_step_a_dead_thread_and_shutdown(chat, ma
         threading.Event().wait(0.01)
     with pytest.raises(RuntimeError, match="thread died"):
         broken.check_health()
+
+
+class _Listener:
+    """A stand-in for the audio pump: counts the rounds it is woken for."""
+
+    def __init__(self):
+        self.wakes = 0
+
+    def mark(self, stream):
+        pass
+
+    def closed(self, stream):
+        pass
+
+    def wake(self):
+        self.wakes += 1
+
+
+def test_the_audio_round_waits_for_a_waiting_prompt_step_for_a_bounded_time(chat, make_async, monkeypatch):
+    """After a step, requests waiting for their prompt step go first: the round of the step's audio is
+    deferred to the next step's dispatch, but never for longer than DEFER_ROUND_S."""
+    import chattts_velocity.engine.async_engine as ae
+
+    engine = make_async()  # its thread never starts: this test plays the engine thread's dispatch itself
+    llm = engine.engine
+    rid = "r0"
+    stream = ae.RequestStream(engine, [rid])
+    engine._streams[rid] = stream
+    listener = _Listener()
+    stream.listen(listener)
+    out = llm.make_sequence("probe", code_prompt(chat, TEXTS[1]), seeded(1))
+
+    def dispatch():
+        engine._dispatch([ae.RequestOutput(rid, new_token_ids=torch.zeros(1, 4, dtype=torch.int64),
+                                           new_hidden_states=None, num_generated=1, finished=False)])
+
+    monkeypatch.setattr(llm.scheduler, "waiting", [out])  # a request waits for its prompt step
+    dispatch()
+    assert listener.wakes == 1  # the first round: nothing woke it recently
+    dispatch()
+    assert listener.wakes == 1  # deferred: it woke just now and a prompt waits
+    monkeypatch.setattr(ae, "DEFER_ROUND_S", 0.0)
+    dispatch()
+    assert listener.wakes == 2  # the deferral is bounded
+    monkeypatch.setattr(ae, "DEFER_ROUND_S", 60.0)
+    monkeypatch.setattr(llm.scheduler, "waiting", [])
+    dispatch()
+    assert listener.wakes == 3  # nobody waits: a round after every step
+    assert engine._thread is None
