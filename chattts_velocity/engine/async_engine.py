@@ -30,9 +30,6 @@ logger = logging.getLogger(__name__)
 _RECENT = 1024
 """Finished requests whose timestamps ``stats`` still reports."""
 
-DEFER_ROUND_S = 0.03
-"""Longest an audio round waits behind the prompt steps of requests that arrived (``AsyncLLMEngine._dispatch``)."""
-
 
 class RequestError(RuntimeError):
     """A request failed inside the engine (its ``__cause__`` is the original error)."""
@@ -217,9 +214,6 @@ class AsyncLLMEngine:
         """No request queued, running or being aborted (updated by the engine thread)."""
         self._beat = time.monotonic()
         """When the engine thread last finished a step or woke up to work (``check_health``)."""
-        self._deferred: dict[int, object] = {}
-        """Listeners whose round waits for a prompt step (``_dispatch``)."""
-        self._last_wake = float("-inf")
         _ENGINES.add(self)
 
     @property
@@ -385,18 +379,7 @@ class AsyncLLMEngine:
         for out, stream in zip(outputs, streams, strict=True):
             if stream is not None:
                 stream._put(out, now)
-        listeners = self._deferred
-        listeners.update({id(s._listener): s._listener for s in streams if s is not None and s._listener})
-        if not listeners:
-            return
-        # Requests waiting for their prompt step: that step goes first, the audio round after it (their
-        # first token would otherwise wait for a round of every stream's audio, tens of ms under load); for
-        # at most ``DEFER_ROUND_S``, so a queue that cannot be admitted does not hold the audio back.
-        if self.engine.scheduler.waiting and now - self._last_wake < DEFER_ROUND_S:
-            return
-        self._deferred = {}
-        self._last_wake = now
-        for listener in listeners.values():
+        for listener in {id(s._listener): s._listener for s in streams if s is not None and s._listener}.values():
             listener.wake()  # once per step: the audio of every stream of this step is decoded in one round
 
     def _fail_all(self, err: Exception) -> list[RequestOutput]:
