@@ -116,8 +116,8 @@ def _ban_eos(logits: Tensor, ban: Tensor, eos_id: int) -> None:
 
 
 MAX_CANDIDATES = 64
-_FEW = 4
 """``WindowSampler`` draws among each row's ``top_k`` largest logits when no row keeps more than this many."""
+_FEW = 4  # how many largest logits ``WindowSampler._few_largest`` takes one argmax at a time
 
 
 class WindowSampler:
@@ -126,12 +126,14 @@ class WindowSampler:
     parameters for the window (their step counters advance by one a step); each call takes the step's history.
 
     When every row has a ``top_k`` of at most ``MAX_CANDIDATES`` (ChatTTS's default is 20), a step works on
-    those candidates instead of the whole vocabulary: the penalty touches only the history's ids, ``topk``
-    replaces the full sort, top-p reads the candidates' share of the whole row's probability (the mass above
-    an id is what the ascending cumulative sum leaves), and the race draws for the candidates alone. The
-    result is the chain's: the same ids are kept (ties at the cut included, as far as the candidates reach) and
-    the same race is run on them, so ids differ only where float rounding decides a near-tie. On a 2-core CPU
-    a step of 32 rows of 626 ids took 0.55 ms with the whole-vocabulary chain."""
+    those candidates, in numpy, instead of the whole vocabulary in torch: the penalty touches only the
+    history's ids; the candidates are the few largest logits taken one argmax at a time when that settles
+    every row, else the C largest from a partition (no full sort); top-p reads the candidates' share of the
+    whole row's probability (the mass above an id is what the ascending cumulative sum leaves); the race draws
+    for the candidates alone. The result is the chain's: the same ids are kept (ties at the cut included; a
+    tie at the C-th largest falls back to the chain) and the same race is run on them, so ids differ only where
+    float rounding decides a near-tie. On a 2-core CPU a step of 32 rows of 626 ids took 0.55 ms with the
+    whole-vocabulary chain and 0.17 ms this way (0.22 inside the engine's window)."""
 
     def __init__(self, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor, window: Tensor,
                  min_new: Tensor, seed: Tensor, step: Tensor, lane: Tensor, eos_id: int, vocab: int, width: int,
