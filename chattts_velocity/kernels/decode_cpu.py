@@ -1,8 +1,8 @@
 """The CPU engine's decode step: the torch references' maths, bit for bit, in fewer ops.
 
 At the tiny model's sizes (2 layers, hidden 64) a CPU decode step is all per-op overhead, so what every layer
-would recompute is computed once per step (``DecodeContext``: the rotary angles, the cache rows to gather, the
-padding mask), q and k rotate in one pass, constants are tensors (a Python scalar costs an op a wrapper), and
+would recompute is computed once per step (``DecodeContext``: the rotary angles, the padding mask), each layer's
+K/V is gathered from the paged cache once per window (``DecodeWindow.kv``), q and k rotate in one pass, constants are tensors (a Python scalar costs an op a wrapper), and
 nothing is checked: the engine builds every argument itself. ``chattts-velocity bench --size tiny --device cpu
 --batch 1 8`` measures it against the reference path; ``tests/test_kernels.py`` holds it equal to the
 references.
