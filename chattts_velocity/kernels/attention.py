@@ -114,10 +114,11 @@ def _gather_kv(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
     return cache.flatten(0, 1)[slots]
 
 
-def _repeat_heads(x: Tensor, num_heads: int) -> Tensor:
-    """[..., Hk, D] -> [..., Hq, D] float32: each KV head repeated for its group of query heads."""
-    group = num_heads // x.shape[-2]
-    return (x if group == 1 else x.repeat_interleave(group, dim=-2)).float()
+def _repeat_heads(x: Tensor, num_heads: int, dim: int = -2) -> Tensor:
+    """Heads along ``dim`` (default: [..., Hk, D]) from Hk to Hq, float32: each KV head repeated for its group
+    of query heads."""
+    group = num_heads // x.shape[dim]
+    return (x if group == 1 else x.repeat_interleave(group, dim=dim)).float()
 
 
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:

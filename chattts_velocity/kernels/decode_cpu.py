@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .activation import silu_and_mul_ref
+from .attention import _repeat_heads
 
 
 @dataclass
@@ -166,8 +167,8 @@ def rotary_store_kv_cpu(qkv: Tensor, num_heads: int, num_kv_heads: int, ctx: Dec
         k, v = k[ctx.store_rows], v[ctx.store_rows]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.store_slots, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, ctx.store_slots, v)
-    # the dense copies take what the cache holds (its dtype's rounding); a row past its limit writes neither
-    ctx.window.store(ctx, k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache)
+    # the dense copies take what the cache holds (k and v are in its dtype); a row past its limit writes neither
+    ctx.window.store(ctx, k, v, k_cache, v_cache)
     return q
 
 
@@ -175,14 +176,10 @@ def decode_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: Decod
     """q [N, Hq, D] -> out [N, Hq, D], as ``paged_decode_attention_ref`` (every context non-empty), over the
     window's dense copies of the layer's K/V (``DecodeWindow.kv``)."""
     num_heads = q.size(1)
-    k, v = (_repeat_heads(x[:, :, : ctx.context], num_heads) for x in ctx.window.kv(k_cache, v_cache))
+    k, v = (_repeat_heads(x[:, :, : ctx.context], num_heads, dim=1) for x in ctx.window.kv(k_cache, v_cache))
     scores = torch.matmul(q.float().unsqueeze(2), k.transpose(2, 3)).squeeze(2) * ctx.scale  # [N, Hq, T]
     if ctx.masked is not None:
         scores = scores.masked_fill(ctx.masked, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # as the reference, where a score overflowed
     return torch.matmul(probs.unsqueeze(2), v).squeeze(2).to(q.dtype)  # [N, Hq, D]
 
-
-def _repeat_heads(x: Tensor, num_heads: int) -> Tensor:
-    """[N, Hk, T, D] -> [N, Hq, T, D]: each KV head repeated for its group of query heads."""
-    return x if x.size(1) == num_heads else x.repeat_interleave(num_heads // x.size(1), 1)

@@ -132,8 +132,9 @@ class WindowSampler:
     whole row's probability (the mass above an id is what the ascending cumulative sum leaves); the race draws
     for the candidates alone. The result is the chain's: the same ids are kept (ties at the cut included; a
     tie at the C-th largest falls back to the chain) and the same race is run on them, so ids differ only where
-    float rounding decides a near-tie. On a 2-core CPU a step of 32 rows of 626 ids took 0.55 ms with the
-    whole-vocabulary chain and 0.17 ms this way (0.22 inside the engine's window)."""
+    float rounding decides a near-tie. A step of 32 rows of 626 ids on a new array each call, 2-core CPU
+    (`benchmarks/window_sampler.py`): the whole-vocabulary chain 0.59-0.61 ms, this way 0.15 ms for peaked rows
+    (the few largest) and 0.31-0.32 ms for flat ones (the partition)."""
 
     def __init__(self, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor, window: Tensor,
                  min_new: Tensor, seed: Tensor, step: Tensor, lane: Tensor, eos_id: int, vocab: int, width: int,
@@ -195,16 +196,17 @@ class WindowSampler:
             flat_x[at] = np.where(old < 0, old * alpha, old / alpha)
         m = x.max(1, keepdims=True)
         mass = np.exp(x - m).sum(-1, keepdims=True)  # the whole row's, over exp(logit - max)
-        selected = self._few_largest(x, m, mass)
-        if selected is None:
-            selected = self._c_largest(x)
-        if selected is None:  # a tie at the C-th largest: more than C ids in a row
-            return self._chain(logits, history, j)
-        top, ids = selected  # [R, C'] descending, C' > every row's kept count
         # top-p: an id is kept while the mass above it is below top_p (the chain: while the ascending
         # cumulative sum up to it exceeds 1 - top_p); at least 3, at most top-k's count, ties at the cut kept
-        ratio = np.exp(top - m)  # exp(logit - max) of the candidates
-        last = self._last_kept(ratio / mass)
+        settled = self._few_largest(x, m, mass)
+        if settled is None:
+            selected = self._c_largest(x)
+            if selected is None:  # a tie at the C-th largest: more than C ids in a row
+                return self._chain(logits, history, j)
+            top, ids = selected
+            ratio = np.exp(top - m)  # exp(logit - max) of the candidates
+            settled = top, ids, ratio, self._last_kept(ratio / mass)
+        top, ids, ratio, last = settled  # [R, C'] descending (C' > every row's kept count), and [R]
         rows_at = self.row_index
         kept = top >= top[rows_at[:, 0], last][:, None]
         ban = self.bans[j]
@@ -220,22 +222,23 @@ class WindowSampler:
         above = np.cumsum(share, -1) - share
         return np.minimum(np.maximum((above < self.top_p).sum(-1), MIN_TOKENS_TO_KEEP) - 1, self.last_kept)
 
-    def _few_largest(self, x: np.ndarray, m: np.ndarray, mass: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    def _few_largest(self, x: np.ndarray, m: np.ndarray, mass: np.ndarray) -> tuple[np.ndarray, ...] | None:
         """The FEW largest of each row, one argmax at a time, when they settle every row's kept ids (its kept
-        count below FEW, and the next id strictly smaller than its cut); None otherwise. A peaked row (low
-        temperature: ChatTTS's 0.3) keeps the least top-p allows, 3, and this costs a few small ops where the
-        partition took ~0.1 ms on a 2-core CPU."""
+        count below FEW, and the next id strictly smaller than its cut): (values, ids, exp(value - max), last
+        kept rank); None otherwise. A peaked row (low temperature: ChatTTS's 0.3) keeps the least top-p
+        allows, 3, and this costs a few small ops where the partition took ~0.1 ms on a 2-core CPU."""
         rows_at, few = self.row_index[:, 0], min(_FEW, self.candidates + 1)
         work, top, ids = x.copy(), np.empty((x.shape[0], few), np.float32), np.empty((x.shape[0], few), np.int64)
         for r in range(few):
             i = work.argmax(1)
             ids[:, r], top[:, r] = i, work[rows_at, i]
             work[rows_at, i] = -np.inf
-        last = self._last_kept(np.exp(top - m) / mass)
+        ratio = np.exp(top - m)
+        last = self._last_kept(ratio / mass)
         # settled: the kept ids end before the last column, which is smaller than the cut (no tie past it),
         # and top-p or top-k stopped them inside the columns, not the columns' end
         settled = (last < few - 1) & (top[rows_at, np.minimum(last + 1, few - 1)] < top[rows_at, last])
-        return (top, ids) if settled.all() else None
+        return (top, ids, ratio, last) if settled.all() else None
 
     def _c_largest(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """The C largest of each row (C: the largest top-k), descending: the C-th largest from a partition
