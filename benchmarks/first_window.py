@@ -35,7 +35,7 @@ def main() -> None:
 
         setattr(obj, name, timed)
 
-    for name in ("execute", "launch_window", "collect_window"):
+    for name in ("launch", "launch_next", "collect"):
         wrap(worker, name)
     wrap(engine.scheduler, "schedule")
     ids, _, mask = chat.model.tokenizer.encode(["[Stts][empty_spk]first window probe[Ptts]"], 4)

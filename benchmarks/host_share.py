@@ -1,5 +1,5 @@
 """Where the engine thread's time goes while a batch decodes (the bench's batch run: full-size random weights,
-every sequence forced to --tokens tokens): waiting for the device inside ``collect_window`` against the host
+every sequence forced to --tokens tokens): waiting for the device inside ``collect`` against the host
 work around it (queueing the next window, reading tokens back, handing them to the scheduler, building the
 reports). If the waits fill most of the wall time, the steps are device-bound and the graph replays are the
 floor; if the host work does, it is the host.
@@ -62,7 +62,7 @@ def main() -> None:
             worker, sched = engine.worker, engine.scheduler
             originals = {}
             if not warm:
-                for obj, name in ((worker, "launch_window"), (worker, "collect_window"), (worker, "execute"),
+                for obj, name in ((worker, "launch"), (worker, "launch_next"), (worker, "collect"),
                                   (sched, "schedule"), (sched, "accept"), (engine, "_output")):
                     originals[obj, name] = getattr(obj, name)
                     setattr(obj, name, timed(totals, name, originals[obj, name]))

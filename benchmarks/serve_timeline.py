@@ -28,11 +28,11 @@ from chattts_velocity.server import ServerConfig
 def instrument(chat):
     llm, pump = chat.engine.engine, chat._velocity.pump
     log = {"steps": [], "wakes": [], "decodes": []}
-    step, wake, decode, launch = llm.step, pump.wake, pump.decode, llm.worker.launch_window
+    step, wake, decode = llm.step, pump.wake, pump.decode
     windows = [0]
-    parts = {"schedule": [0.0], "execute": [0.0], "output": [0.0], "launch_window": [0.0], "collect_window": [0.0]}
-    owners = {"schedule": llm.scheduler, "execute": llm.worker, "output": llm, "launch_window": llm.worker,
-              "collect_window": llm.worker}
+    parts = {"schedule": [0.0], "launch": [0.0], "launch_next": [0.0], "collect": [0.0], "output": [0.0]}
+    owners = {"schedule": llm.scheduler, "launch": llm.worker, "launch_next": llm.worker, "collect": llm.worker,
+              "output": llm}
     log["parts"] = parts
 
     def timer(name, fn):
@@ -47,11 +47,15 @@ def instrument(chat):
     for name, owner in owners.items():
         attr = "_output" if name == "output" else name
         setattr(owner, attr, timer(name, getattr(owner, attr)))
-    launch = llm.worker.launch_window
+    launch, launch_next = llm.worker.launch, llm.worker.launch_next
 
-    def counted_launch(*args, **kw):
+    def counted_launch(plan):
+        windows[0] += plan.decode
+        return launch(plan)
+
+    def counted_next(window, num_steps):
         windows[0] += 1
-        return launch(*args, **kw)
+        return launch_next(window, num_steps)
 
     def timed_step():
         waiting, running = len(llm.scheduler.waiting), len(llm.scheduler.running)
@@ -86,7 +90,8 @@ def instrument(chat):
         return out
 
     pump.audio.to_wavs = timed_to_wavs
-    llm.step, pump.wake, pump.decode, llm.worker.launch_window = timed_step, timed_wake, timed_decode, counted_launch
+    llm.step, pump.wake, pump.decode = timed_step, timed_wake, timed_decode
+    llm.worker.launch, llm.worker.launch_next = counted_launch, counted_next
     return log
 
 

@@ -26,7 +26,7 @@ def main() -> None:
     for b in args.batch:
         engine = LLMEngine.from_model(model, EngineConfig(dtype="float16", max_num_seqs=b, kv_cache_gib=8,
                                                           max_num_batched_tokens=8192), "cuda")
-        dec, window = engine.worker.decoder, engine.config.num_decode_steps
+        dec, window = engine.worker.runner.decoder, engine.config.num_decode_steps
         params = SamplingParams(temperature=(0.3,), top_p=0.7, top_k=20, repetition_penalty=1.05,
                                 min_new_tokens=args.context + 6 * window, max_new_tokens=args.context + 6 * window)
         for i in range(b):

@@ -17,3 +17,23 @@ def make_seq(num_tokens: int, first: int = 0, speaker_key: bytes = b"", max_new:
     seq_id = next(_ids)
     return Sequence(seq_id, request_id or f"r{seq_id}", tokens, [False] * num_tokens, None, speaker_key,
                     SamplingParams(max_new_tokens=max_new), seed=0, max_tokens=num_tokens + max_new)
+
+
+def record_windows(engine, record) -> None:
+    """Call ``record(window, continuing)`` for every decode window ``engine`` launches (``continuing``: queued
+    behind the batch's previous window by ``Worker.launch_next``)."""
+    worker = engine.worker
+    launch, launch_next = worker.launch, worker.launch_next
+
+    def first(plan):
+        window = launch(plan)
+        if window.decode:
+            record(window, False)
+        return window
+
+    def following(window, num_steps):
+        queued = launch_next(window, num_steps)
+        record(queued, True)
+        return queued
+
+    worker.launch, worker.launch_next = first, following

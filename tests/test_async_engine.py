@@ -172,16 +172,16 @@ def test_a_step_failure_fails_only_the_request_it_concerns(chat, make_async, sol
     poisoned = "poison"
 
     def poison(fn):
-        def wrapped(batch, *args, **kw):
-            seqs = [getattr(item, "seq", item) for item in batch]
+        def wrapped(step, *args, **kw):  # a plan (``launch``) or the window before (``launch_next``)
+            seqs = [getattr(item, "seq", item) for item in getattr(step, "scheduled", getattr(step, "seqs", None))]
             if any(seq.request_id == poisoned and seq.num_generated >= 3 for seq in seqs):
                 raise RuntimeError("injected failure")
-            return fn(batch, *args, **kw)
+            return fn(step, *args, **kw)
 
         return wrapped
 
-    worker.execute = poison(worker.execute)
-    worker.launch_window = poison(worker.launch_window)
+    worker.launch = poison(worker.launch)
+    worker.launch_next = poison(worker.launch_next)
     ids = [f"r{i}" for i in range(5)] + [poisoned]
     prompts = [code_prompt(chat, TEXTS[i % len(TEXTS)]) for i in range(len(ids))]
     ps = [seeded(i, 30, min_new=10) for i in range(len(ids))]

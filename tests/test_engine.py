@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from engine_helpers import record_windows
 
 from chattts_velocity.engine import EngineConfig, FinishReason, LLMEngine, Mode, Prompt, SamplingParams
 from chattts_velocity.reference import DecodeSettings, reference_generate
@@ -169,7 +170,7 @@ def test_padded_prefill_steps_equal_the_reference(chat, make_engine, workload, s
 
     engine = make_engine(**ENGINE_SETUPS[setup])
     runner = engine.worker.runner
-    width = engine.worker.decoder.state.block_tables.size(1)
+    width = runner.decoder.state.block_tables.size(1)
     calls = []
 
     class Counted(_PaddedPrefill):
@@ -253,9 +254,7 @@ def test_pipelined_decode_windows_match_single_steps(chat, make_engine):
     def generate(window: int, **kw) -> tuple[list, int]:
         engine = make_engine(num_decode_steps=window, pipeline_decode=True, **kw)  # off by default on CPU
         launches = []
-        original = engine.worker.launch_window
-        engine.worker.launch_window = lambda seqs, k, continuing=False: (launches.append(continuing),
-                                                                          original(seqs, k, continuing))[1]
+        record_windows(engine, lambda window, continuing: launches.append(continuing))
         for i in range(3):
             engine.add_request(f"r{i}", code_prompt(chat, texts[i]), ps[i])
         done, steps = {}, 0
@@ -304,9 +303,7 @@ def test_no_window_runs_past_every_sequence_s_length_limit(chat, make_engine, pi
     would compute 4 steps nobody can use), whether or not the last window is queued behind the previous one."""
     engine = make_engine(num_decode_steps=8, first_window_tokens=0, pipeline_decode=pipeline)
     launched = []
-    original = engine.worker.launch_window
-    engine.worker.launch_window = lambda seqs, k, continuing=False: (launched.append(k),
-                                                                      original(seqs, k, continuing))[1]
+    record_windows(engine, lambda window, continuing: launched.append(window.num_steps))
     engine.add_request("s", code_prompt(chat, "no wasted steps"), params(min_new_tokens=13, max_new_tokens=13))
     final = [out for out in iter_steps(engine) if out.finished][0]
     assert launched == [8, 4]
@@ -316,6 +313,29 @@ def test_no_window_runs_past_every_sequence_s_length_limit(chat, make_engine, pi
 def iter_steps(engine):
     while engine.has_unfinished_requests():
         yield from engine.step()
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_every_decode_step_runs_as_a_decoder_window(chat, make_engine, window):
+    """One forward path: prompt steps run the runner's prefill forward, every decode step (audio and text) a
+    window of the decoder, a lone step being a window of one."""
+    engine = make_engine(num_decode_steps=window)
+    runner = engine.worker.runner
+    forwarded, windows = [], []
+    forward = runner.forward
+    runner.forward = lambda scheduled: (forwarded.extend(item.seq.num_generated for item in scheduled),
+                                        forward(scheduled))[1]
+    record_windows(engine, lambda w, continuing: windows.append((w.seqs[0].text_mode, len(w.seqs), w.num_steps)))
+    engine.add_request("a", code_prompt(chat, "one path"), params(min_new_tokens=9, max_new_tokens=9))
+    engine.add_request("b", code_prompt(chat, "for every step"), params(min_new_tokens=9, max_new_tokens=9))
+    engine.add_request("t", text_prompt(chat, "and refine too"), params(Mode.TEXT, min_new_tokens=5, max_new_tokens=5,
+                                                                      return_hidden_states=False))
+    finals = [out for out in iter_steps(engine) if out.finished]
+    assert sorted(out.num_generated for out in finals) == [5, 9, 9]
+    assert forwarded == [0, 0, 0], "only the prompts went through the prefill forward"
+    # each request's first token came from its prompt step, the rest from windows
+    assert sum(n * k for text, n, k in windows if not text) == 2 * 8 and sum(k for text, _, k in windows if text) == 4
+    assert max(k for _, _, k in windows) == window
 
 
 @pytest.mark.parametrize("window", [1, 4])
@@ -448,14 +468,14 @@ def test_llm_generate_returns_outputs_in_order_and_validates_first(chat, make_en
 @pytest.mark.parametrize("path", ["cpu-window", "device-step"])
 def test_text_windows_match_single_steps_and_the_reference(chat, make_engine, path):
     """Refine requests decode in windows, one row a sequence with the text head and the text EOS: the tokens of
-    one-step scheduling, bit for bit (sampled, with penalties, EOS and length endings), and for an argmax
+    one-step windows, bit for bit (sampled, with penalties, EOS and length endings), and for an argmax
     request the reference loop's. ``device-step``: the window runs the step CUDA captures as a graph
     (``MultiStepDecoder._step``, here eagerly with the torch kernels) instead of the CPU's own loop."""
 
     def make(**kw):
         engine = make_engine(**kw)
-        decoder = engine.worker.decoder
-        if path == "device-step" and decoder is not None:
+        decoder = engine.worker.runner.decoder
+        if path == "device-step":
             decoder._run_cpu = lambda b, k, text=False: [decoder._step(b, text) for _ in range(k)]
         return engine
 
@@ -465,12 +485,11 @@ def test_text_windows_match_single_steps_and_the_reference(chat, make_engine, pa
           for i in range(4)]
     ps[3] = dataclasses.replace(ps[3], min_new_tokens=33, max_new_tokens=33)  # ends by its length limit
 
-    def generate(window: int) -> tuple[list, list[bool]]:
+    def generate(window: int) -> tuple[list, list[tuple[bool, int]]]:
         engine = make(num_decode_steps=window)
         windows = []
-        original = engine.worker.launch_window
-        engine.worker.launch_window = lambda seqs, k, continuing=False: (
-            windows.append(all(s.text_mode for s in seqs)), original(seqs, k, continuing))[1]
+        record_windows(engine, lambda window, continuing: windows.append(
+            (all(s.text_mode for s in window.seqs), window.num_steps)))
         for i, text in enumerate(texts):
             engine.add_request(f"r{i}", text_prompt(chat, text), ps[i])
         done = {}
@@ -478,9 +497,10 @@ def test_text_windows_match_single_steps_and_the_reference(chat, make_engine, pa
             done.update((o.request_id, o) for o in engine.step() if o.finished)
         return [done[f"r{i}"] for i in range(4)], windows
 
-    single, none = generate(1)
+    single, steps = generate(1)
     windowed, windows = generate(8)
-    assert not none and windows and all(windows), "the refine batch must have run in text windows"
+    assert steps and all(text and k == 1 for text, k in steps), "one-step scheduling: text windows of one step"
+    assert all(text for text, _ in windows) and max(k for _, k in windows) > 1, "the refine batch in text windows"
     assert FinishReason.LENGTH in {out.finish_reason for out in single}
     for a, b in zip(single, windowed, strict=True):
         assert torch.equal(a.token_ids, b.token_ids) and a.finish_reason == b.finish_reason
@@ -515,8 +535,7 @@ def test_window_tokens_come_back_through_a_contiguous_host_buffer(chat, make_eng
     waits for the window in flight."""
     engine = make_engine(num_decode_steps=4, max_num_seqs=8)
     windows = []
-    original = engine.worker.launch_window
-    engine.worker.launch_window = lambda *a, **kw: (w := original(*a, **kw), windows.append(w))[0]
+    record_windows(engine, lambda window, continuing: windows.append(window))
     for i in range(3):
         engine.add_request(f"w{i}", code_prompt(chat, f"window buffer {i}"), sampled(7 + i, min_new_tokens=9,
                                                                                      max_new_tokens=12))
@@ -532,6 +551,6 @@ def test_one_fused_code_table_serves_the_prefill_steps_and_the_windows(chat, mak
     codebooks' weights are views of (held once)."""
     engine = make_engine(num_decode_steps=4)
     table = engine.worker.runner._code_table
-    assert engine.worker.decoder._code_table is table
+    assert engine.worker.runner.decoder._code_table is table
     emb = chat.model.gpt.embed.emb_code
     assert all(e.weight.data_ptr() == table[q * e.num_embeddings].data_ptr() for q, e in enumerate(emb))

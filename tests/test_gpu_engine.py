@@ -3,10 +3,9 @@ Run on the device machine: ``python -m pytest -m gpu tests/test_gpu_engine.py``.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
+from engine_helpers import record_windows
 
 from chattts_velocity.engine import EngineConfig, LLMEngine, Mode, Prompt, SamplingParams
 from chattts_velocity.engine.scheduler import ScheduledSeq
@@ -112,20 +111,16 @@ def test_cuda_graphs_and_eager_give_identical_tokens(model, dtype):
     for eager in (False, True):
         engine = LLMEngine.from_model(model, EngineConfig(dtype=dtype, max_num_seqs=8, kv_cache_gib=1,
                                                           enforce_eager=eager), "cuda")
-        assert (engine.worker.decoder.graphs == {}) == eager == (engine.worker.runner.prefill.graphs == {})
+        runner = engine.worker.runner
+        assert (runner.decoder.graphs == {}) == eager == (runner.prefill.graphs == {})
         modes = []
-        engine.worker.launch_window = functools.partial(_recording_launch, engine.worker.launch_window, modes)
+        record_windows(engine, lambda window, continuing, modes=modes: modes.append(window.seqs[0].text_mode))
         outs[eager] = run(engine, prompts, params)
         assert True in modes and False in modes, "both audio and text windows must have run"
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     for a, b in zip(outs[False], outs[True], strict=True):
         assert torch.equal(a.token_ids, b.token_ids), "CUDA-graph and eager tokens differ"
         assert a.num_generated >= 20
-
-
-def _recording_launch(launch, modes, seqs, num_steps, continuing=False):
-    modes.append(seqs[0].text_mode)
-    return launch(seqs, num_steps, continuing)
 
 
 def test_gpu_engine_equals_reference_under_argmax(model):

@@ -2,8 +2,9 @@
 between them: the next step's inputs (tokens, positions, cache slots, penalty window, step counters) are
 updated on the device, every step's tokens and hidden states land in device buffers, and the host reads the
 tokens once per window. On CUDA each batch-size bucket's step is captured as a CUDA graph and replayed.
-``launch`` queues a window and returns; ``collect`` waits for its tokens, so the engine can queue the same
-batch's next window (``launch(..., continuing=True)``) before it reads the current one.
+``run`` queues a window and returns its device outputs (``ModelRunner`` brings the tokens to the host), so
+the engine can queue the same batch's next window (``run(..., continuing=True)``) before it reads the
+current one. Every decode step of the engine runs here, a lone step as a window of one.
 
 A sequence that ends inside the window (EOS, its length limit) keeps computing until the window ends; the host
 drops those tokens, and the steps past its limit write no KV (their slot is -1).
@@ -34,17 +35,6 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512
 
 
 @dataclass
-class Window:
-    """A queued decode window of ``seqs``: ``MultiStepDecoder.collect`` waits for its tokens."""
-
-    seqs: list[Sequence]
-    num_steps: int
-    hidden: Tensor  # [K, n, H] on the device
-    tokens: Tensor  # [K, n, Q] int64, a contiguous view of the host buffer the window's tokens are copied into
-    done: torch.cuda.Event | None  # recorded after that copy (CUDA); None on CPU, where launch is synchronous
-
-
-@dataclass
 class _State:
     """Static device buffers of the step (graph inputs and outputs), sized for the largest bucket."""
 
@@ -71,19 +61,13 @@ class MultiStepDecoder:
         self.device = device
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.state = self._allocate(max_batch, gpt.config.hidden_size)
-        # Pinned host buffers, two of each (one window in flight while the previous one is read): tokens come
-        # back through them, block tables go out. A copy from pageable memory would make torch wait for the
-        # stream, i.e. for the window in flight, which would undo the pipelining.
-        pinned = device.type == "cuda"
+        # Pinned host buffers for the block tables, two (one window in flight while the next is queued): a copy
+        # from pageable memory would make torch wait for the stream, i.e. for the window in flight, which would
+        # undo the pipelining.
         width = -(-max_model_len // block_size)
-        # Flat: a window's [K, n, Q] tokens go to a contiguous view of it. A non-contiguous destination (a
-        # [:K, :n] slice of a [K_max, B_max, Q] buffer) makes torch copy through a pageable temporary, and so
-        # wait for the window in flight: every launch of a batch smaller than max_batch waited for its whole
-        # window (py-spy of the server at 256 streams, H100), undoing the pipelining.
-        self._host_tokens = [torch.zeros(max_steps * max_batch * self.num_vq, dtype=torch.int64, pin_memory=pinned)
+        self._host_tables = [torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=device.type == "cuda")
                              for _ in range(2)]
-        self._host_tables = [torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
-        self._next_host = 0
+        self._next_table = 0
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         """The captured step of each (batch bucket, text mode)."""
         self._code_table, self._code_offsets = codes  # ``Embed.fuse_code_tables``': [Q * V, H], [Q]
@@ -205,12 +189,13 @@ class MultiStepDecoder:
 
     # ---------------------------------------------------------------- a window of steps
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], num_steps: int, continuing: bool = False) -> Window:
-        """Queue ``num_steps`` decode steps of every sequence (each's newest token is its only uncomputed one)
-        and return at once; ``collect`` waits for the tokens. ``continuing``: the same batch right after its
-        previous window, whose device state (tokens, positions, penalty history, step counters) already holds
-        this window's inputs; only the block tables are refreshed, so the window can be queued before the host
-        has read the previous one's tokens."""
+    def run(self, seqs: list[Sequence], num_steps: int, continuing: bool = False) -> tuple[Tensor, Tensor]:
+        """Queue ``num_steps`` decode steps of every sequence (each's newest token is its only uncomputed one):
+        hidden states [K, n, H] (a tensor of its own) and tokens [K, n, Q] (a view of the output buffer, valid
+        until the next window), not waited for. ``continuing``: the same batch right after its previous
+        window, whose device state (tokens, positions, penalty history, step counters) already holds this
+        window's inputs; only the block tables are refreshed, so the window can be queued before the host has
+        read the previous one's tokens."""
         assert 1 <= num_steps <= self.max_steps and len(seqs) <= self.buckets[-1]
         text = seqs[0].text_mode
         b, n = self._bucket(len(seqs)), len(seqs)
@@ -225,23 +210,8 @@ class MultiStepDecoder:
         else:
             for _ in range(num_steps):
                 graph.replay() if graph is not None else self._step(b, text)
-        hidden = self.state.out_hidden[:num_steps, :n].clone()  # the buffer is reused by the next window
-        host = self._host_tokens[self._next_host][: num_steps * n * self.num_vq].view(num_steps, n, self.num_vq)
-        self._next_host ^= 1  # two host buffers: one window in flight while the previous one is read
-        host.copy_(self.state.out_tokens[:num_steps, :n], non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return Window(seqs, num_steps, hidden, host, done)
-
-    def collect(self, window: Window) -> list[list[tuple[int, ...]]]:
-        """Wait for ``window``; tokens[i][j] of sequence i at step j."""
-        if window.done is not None:
-            window.done.synchronize()
-        # each sequence's codebook columns zipped into its tokens: zip builds the tuples in C (256 sequences x
-        # 32 steps on the 2-core dev box: 5.5 ms against 14.6 for a tuple() per token)
-        return [list(zip(*columns, strict=True)) for columns in window.tokens.numpy().transpose(1, 2, 0).tolist()]
+        # the hidden states' buffer is rewritten by the next window, which may be queued before these are read
+        return self.state.out_hidden[:num_steps, :n].clone(), self.state.out_tokens[:num_steps, :n]
 
     def _load(self, seqs: list[Sequence], b: int, lanes: int) -> None:
         """Copy the batch's state into the static buffers; padding rows write nothing and are ignored."""
@@ -263,7 +233,8 @@ class MultiStepDecoder:
         s.step_out.zero_()
 
     def _load_tables(self, seqs: list[Sequence], b: int) -> None:
-        host = self._host_tables[self._next_host]  # free: its last copy ran before the window just read
+        host = self._host_tables[self._next_table]  # free: its last copy ran before the window just read
+        self._next_table ^= 1
         table = host.numpy()
         table[:b] = 0
         for i, seq in enumerate(seqs):

@@ -20,7 +20,7 @@ import torch
 
 from .block_manager import BlockSpaceManager
 from .config import EngineConfig
-from .decode import Window
+from .model_runner import Window
 from .sampling_params import Mode, SamplingParams
 from .scheduler import Scheduler
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence, SequenceGroup
@@ -215,7 +215,9 @@ class LLMEngine:
         stream.synchronize()
 
     def _run_step(self) -> list[Sequence]:
-        """Schedule and run one batch (or collect a window); the sequences that sampled tokens."""
+        """Schedule and launch one step (or take the window queued behind the last one), queue the batch's next
+        window behind a decode window when the scheduler grants it, and hand the step's tokens to the
+        scheduler: the sequences that sampled tokens."""
         window, self._window = self._window, None
         if window is None:
             plan = self.scheduler.schedule()
@@ -223,28 +225,21 @@ class LLMEngine:
             if not plan.scheduled:
                 return []
             self._count(plan)
-            if plan.num_steps > 1:
-                window = self.worker.launch_window(self._batch, plan.num_steps)
+            window = self.worker.launch(plan)
+            self.scheduler.computed(plan.scheduled)
         else:
             self._batch = list(window.seqs)
-        if window is not None:
+        if window.decode:
             self._window = self._continue(window)
-            tokens = self.worker.collect_window(window)
-            sampled = []
-            for seq, seq_tokens, seq_hidden in zip(window.seqs, tokens, window.hidden.unbind(1), strict=True):
-                if not seq.is_finished:  # not aborted while its window ran
-                    sampled.append(seq)
-                    self._accept(seq, seq_tokens, seq_hidden)
+        tokens = self.worker.collect(window)
+        sampled = []
+        for seq, seq_tokens, seq_hidden in zip(window.seqs, tokens, window.hidden.unbind(1), strict=True):
+            if not seq.is_finished:  # not aborted while its window ran
+                sampled.append(seq)
+                self._accept(seq, seq_tokens, seq_hidden)
+                if window.decode:  # a sequence's usual step: it is no longer a suspect
                     self.scheduler.clear(seq)
-            return sampled
-        result = self.worker.execute(plan.scheduled)
-        self.scheduler.computed(plan.scheduled)
-        for i, seq in enumerate(result.seqs):
-            self._accept(seq, [result.tokens[i]], result.hidden[i : i + 1])
-            # an audio sequence's usual step is a window (when windows are on): it stays a suspect until one ran
-            if seq.text_mode or self.scheduler.num_decode_steps == 1:
-                self.scheduler.clear(seq)
-        return result.seqs
+        return sampled
 
     def _count(self, plan) -> None:
         t = self._totals
@@ -291,7 +286,7 @@ class LLMEngine:
         if not self._pipeline:
             return None
         steps = self.scheduler.continue_window(window.seqs, window.num_steps)
-        return self.worker.launch_window(window.seqs, steps, continuing=True) if steps else None
+        return self.worker.launch_next(window, steps) if steps else None
 
     def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:
         """Hand sampled tokens to the scheduler (which owns the sequence's state: ``Scheduler.accept``); keep the

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.sampling import sample_rows_fused
-from .sequence import Sequence, Token
+from .sequence import Sequence
 
 
 @dataclass
@@ -104,25 +104,25 @@ class Sampler:
         return F.linear(hidden, self.text_head)
 
     @torch.inference_mode()
-    def __call__(self, hidden: Tensor, seqs: list[Sequence]) -> list[Token]:
-        """hidden [S, H] float32, one row per sequence -> one token per sequence."""
-        tokens: list[Token | None] = [None] * len(seqs)
+    def __call__(self, hidden: Tensor, seqs: list[Sequence]) -> Tensor:
+        """hidden [S, H] float32, one row per sequence -> [S, Q] int64 tokens on its device (a text token
+        repeats its id over the codebooks), not waited for."""
+        tokens = hidden.new_empty((len(seqs), self.num_vq), dtype=torch.int64)
         for text_mode in (False, True):
             idx = [i for i, s in enumerate(seqs) if s.text_mode == text_mode]
+            if idx and len(idx) == len(seqs):
+                return self._sample_group(hidden, seqs, text_mode)
             if idx:
-                group = [seqs[i] for i in idx]
-                rows = hidden if len(idx) == len(seqs) else hidden[torch.tensor(idx, device=hidden.device)]
-                for i, tok in zip(idx, self._sample_group(rows, group, text_mode), strict=True):
-                    tokens[i] = tok
+                rows = torch.tensor(idx, device=hidden.device)
+                tokens[rows] = self._sample_group(hidden[rows], [seqs[i] for i in idx], text_mode)
         return tokens
 
-    def _sample_group(self, hidden: Tensor, seqs: list[Sequence], text_mode: bool) -> list[Token]:
+    def _sample_group(self, hidden: Tensor, seqs: list[Sequence], text_mode: bool) -> Tensor:
         if text_mode:
-            logits = self.text_logits(hidden)  # [S, V]
-            ids = sample_rows(logits, self._params(seqs, 1, hidden.device), self.text_eos).tolist()
-            return [(t,) * self.num_vq for t in ids]
+            ids = sample_rows(self.text_logits(hidden), self._params(seqs, 1, hidden.device), self.text_eos)
+            return ids[:, None].expand(len(seqs), self.num_vq)
         ids = sample_rows(self.code_logits(hidden), self._params(seqs, self.num_vq, hidden.device), self.code_eos)
-        return [tuple(row) for row in ids.view(len(seqs), self.num_vq).tolist()]
+        return ids.view(len(seqs), self.num_vq)
 
     def _params(self, seqs: list[Sequence], lanes: int, device: torch.device) -> RowParams:
         width = max(s.params.penalty_window for s in seqs)

@@ -44,9 +44,10 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    decode: bool = False
+    """Every sequence decodes one token it generated, all in one mode (audio or text): a decode window."""
     num_steps: int = 1
-    """Decode steps to run: > 1 only when every sequence decodes a token of one mode (audio or text) and has
-    blocks for them."""
+    """Decode steps to run: > 1 only in a decode window whose sequences all have blocks for them."""
 
     @property
     def num_tokens(self) -> int:
@@ -90,16 +91,17 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        if self.num_decode_steps > 1 and out.scheduled:
+        if out.scheduled:
             self._one_mode(out)
-            if self._one_window(out.scheduled):
+            out.decode = self._one_window(out.scheduled)
+            if out.decode:
                 self._reserve_window(out)
         return out
 
     def _one_mode(self, out: SchedulerOutput) -> None:
         """A step of nothing but decodes, audio and text (refine) mixed, keeps one mode's, audio and text in
-        turn: either runs as a window, where the mixed step would run one step for everybody. The others stay
-        running with their next token's slot already reserved."""
+        turn: a decode window runs one mode. The others stay running with their next token's slot already
+        reserved."""
         if not all(_is_decode(item) for item in out.scheduled):
             return
         modes = {item.seq.text_mode for item in out.scheduled}

@@ -1,5 +1,5 @@
 """``Worker``: owns the device side: the Llama core in the engine's dtype, the paged KV cache (sized from the
-config and the device's memory) and the ``ModelRunner``."""
+config and the device's memory) and the ``ModelRunner`` that runs every step on them."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import torch
 
 from ..model.llama import LlamaCore
 from .config import EngineConfig
-from .decode import MultiStepDecoder, Window
-from .model_runner import ModelRunner, StepResult
+from .model_runner import ModelRunner, Window
 from .sampler import Sampler
-from .scheduler import ScheduledSeq
-from .sequence import Sequence
+from .scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +41,8 @@ class Worker:
         with torch.no_grad():  # the audio codes' embedding table, one for the prefill steps and the windows
             codes = gpt.embed.fuse_code_tables()  # [Q * V, H], [Q]
         self.runner = ModelRunner(gpt, self.core, self.kv_caches, config.block_size, spk_emb_id, sampler, device,
-                                  codes, gcfg.max_position_embeddings, use_graphs)
-        self.decoder = None
-        if config.num_decode_steps > 1:
-            self.decoder = MultiStepDecoder(gpt, self.core, self.kv_caches, sampler, codes, config.block_size,
-                                            config.max_num_seqs,
-                                            config.num_decode_steps, gcfg.max_position_embeddings, device,
-                                            use_graphs)
+                                  codes, config.max_num_seqs, config.num_decode_steps,
+                                  gcfg.max_position_embeddings, use_graphs)
 
     def _block_bytes(self, config: EngineConfig, gcfg) -> int:
         per_token = 2 * gcfg.num_hidden_layers * gcfg.num_key_value_heads * (gcfg.hidden_size // gcfg.num_attention_heads)
@@ -73,13 +66,14 @@ class Worker:
             raise ValueError(f"kv_cache_gib={config.kv_cache_gib} holds no KV block; give more memory")
         return blocks
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
-        return self.runner.execute(scheduled)
+    def launch(self, plan: SchedulerOutput) -> Window:
+        """Queue a scheduled step (``ModelRunner.launch``)."""
+        return self.runner.launch(plan)
 
-    def launch_window(self, seqs: list[Sequence], num_steps: int, continuing: bool = False) -> Window:
-        """Queue ``num_steps`` decode steps of audio sequences (``MultiStepDecoder.launch``)."""
-        return self.decoder.launch(seqs, num_steps, continuing)
+    def launch_next(self, window: Window, num_steps: int) -> Window:
+        """Queue the next decode window of ``window``'s batch behind it (``ModelRunner.launch_next``)."""
+        return self.runner.launch_next(window, num_steps)
 
-    def collect_window(self, window: Window) -> list[list[tuple[int, ...]]]:
-        """Wait for a launched window: tokens[i][j] of sequence i at step j (hidden states: ``window.hidden``)."""
-        return self.decoder.collect(window)
+    def collect(self, window: Window) -> list[list[tuple[int, ...]]]:
+        """Wait for a launched step: tokens[i][j] of sequence i at step j (hidden states: ``window.hidden``)."""
+        return self.runner.collect(window)
