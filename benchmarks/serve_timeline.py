@@ -27,7 +27,7 @@ from chattts_velocity.server import ServerConfig
 
 def instrument(chat):
     llm, pump = chat.engine.engine, chat._velocity.pump
-    log = {"steps": [], "wakes": [], "decodes": []}
+    log = LOG_ENGINE
     step, wake, decode = llm.step, pump.wake, pump.decode
     windows = [0]
     parts = {"schedule": [0.0], "launch": [0.0], "launch_next": [0.0], "collect": [0.0], "output": [0.0]}
@@ -152,12 +152,43 @@ def request_phases(chat, phases, begin: float, wall: float) -> dict:
                                                if t.first_token and t.first_audio],
         "engine: first token -> finished": [t.finished - t.first_token for t in engine if t.first_token],
     }
+    spans.update(engine_paths(engine, begin))
     out = {}
     for name, xs in spans.items():
         if xs:
             out[name] = {"n": len(xs), "p50_s": round(float(np.median(xs)), 3),
                          "p90_s": round(float(np.percentile(xs, 90)), 3), "p99_s": round(float(np.percentile(xs, 99)), 3),
                          "mean_in_phase": round(sum(xs) / wall, 1)}
+    return out
+
+
+def engine_paths(engine_times, begin: float) -> dict:
+    """What the engine thread did between each request's arrival and first token, and between its first token
+    and first audio: seconds in decode windows, in other steps (prompts), in audio rounds, elsewhere (between
+    them: the loop, the GIL), and how many steps it started in between (``engine_times``: ``RequestTimes``)."""
+    log = LOG_ENGINE
+    kinds = {"in windows": [(a, b) for a, b, _, _, _, w, _ in log["steps"] if w and b >= begin],
+             "in other steps": [(a, b) for a, b, _, _, _, w, _ in log["steps"] if not w and b >= begin],
+             "in audio rounds": [(a, b) for a, b in log["wakes"] if b >= begin]}
+    starts = sorted(a for a, *_ in log["steps"])
+
+    def overlap(spans, lo, hi):
+        return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans if b > lo and a < hi)
+
+    out = {}
+    for path, ends in (("queued -> first token", ("queued", "first_token")),
+                       ("first token -> first audio", ("first_token", "first_audio"))):
+        for t in engine_times:
+            lo, hi = getattr(t, ends[0]), getattr(t, ends[1])
+            if lo is None or hi is None:
+                continue
+            rest = hi - lo
+            for kind, spans in kinds.items():
+                part = overlap(spans, lo, hi)
+                out.setdefault(f"{path}: {kind}", []).append(part)
+                rest -= part
+            out.setdefault(f"{path}: elsewhere", []).append(max(0.0, rest))
+            out.setdefault(f"{path}: steps started (count)", []).append(sum(1 for a in starts if lo < a < hi))
     return out
 
 
@@ -232,6 +263,7 @@ def engine_thread(log, wall: float) -> dict:
 
 
 LOG_HTTP = {"handler": [], "prepare": [], "body": [], "first_chunk": [], "loop_lag": []}
+LOG_ENGINE = {"steps": [], "wakes": [], "decodes": []}
 
 
 def start_server(chat, config) -> str:

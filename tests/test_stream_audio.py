@@ -438,3 +438,53 @@ def test_windows_cut_short_by_the_end_take_more_context_to_a_usual_length(patter
     short = AudioStream(DEFAULT)
     short.push(torch.zeros(30, 4, dtype=torch.long), finished=True)
     assert [w.tokens.shape[0] for w in short.ready()] == [16, 24, 30]  # 30 tokens: no 40 to be had
+
+
+def test_a_paced_round_decodes_only_the_feeds_with_a_first_or_last_chunk(chat):
+    """Between full rounds, a request's first chunk is decoded at once without the other feeds' later chunks,
+    which wait (still marked) for the next full round; every feed's audio is the same as decoded alone."""
+    from chattts_velocity.audio import AudioPump
+    from chattts_velocity.audio.pump import PENDING
+    from chattts_velocity.engine import RequestStream
+
+    config = StreamConfig(first_chunk=8, lookahead=8)
+    pump, engine = AudioPump(chat.audio, round_interval_s=3600.0), _Engine()
+    tokens = {rid: _tokens(chat, 60, True, seed=seed) for rid, seed in (("old", 5), ("new", 6))}
+    streams = {rid: RequestStream(engine, [rid]) for rid in tokens}
+    readers = {rid: iter(pump.open(s, config, use_decoder=True, notify=lambda: None)) for rid, s in streams.items()}
+    calls = []
+    decode = pump.decode
+    pump.decode = lambda windows, use_decoder: (calls.append({w.stream for w in windows}), decode(windows, use_decoder))[1]
+
+    def delivered(rid) -> list:
+        out = []
+        while (item := next(readers[rid], None)) not in (PENDING, None):
+            out += item.samples.get(rid, [])
+        return out
+
+    streams["old"]._put(_out("old", tokens["old"][:20], False, 20), 0.0)
+    pump.wake()  # the old request's first chunk: a full round
+    old = delivered("old")
+    streams["old"]._put(_out("old", tokens["old"][20:50], False, 50), 0.0)  # later chunks: held
+    streams["new"]._put(_out("new", tokens["new"][:20], False, 20), 0.0)  # a first chunk: urgent
+    pump.wake()
+    new = delivered("new")
+    assert len(calls) == 2 and len(calls[1]) == 1 and len(new) == 1, "the urgent round decoded the new feed alone"
+    assert delivered("old") == [] and id(streams["old"]) in pump._marked
+    pump._last_decode = float("-inf")  # the interval passed: the next round is a full one
+    streams["new"]._put(_out("new", tokens["new"][20:], True, 60), 0.0)
+    pump.wake()
+    old += delivered("old")
+    new += delivered("new")
+    streams["old"]._put(_out("old", tokens["old"][50:], True, 60), 0.0)
+    pump.wake()
+    old += delivered("old")
+    for rid, got in (("old", old), ("new", new)):
+        ref = AudioStream(config)
+        ref.push(tokens[rid], finished=True)
+        windows = ref.ready()
+        want = np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, decode_windows(chat.audio, windows, True),
+                                                                    strict=True)])
+        got = np.concatenate(got)
+        assert got.shape == want.shape and np.allclose(got, want, atol=1e-5), rid
+    assert not pump._feeds and not pump._marked

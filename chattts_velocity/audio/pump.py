@@ -122,8 +122,9 @@ class Feed:
 
 class AudioPump:
     """Decodes the stream windows of all open feeds in batched rounds between the engine's steps (see the
-    module). A round that decodes comes at most every ``round_interval_s`` unless a window is a request's
-    first or last (first audio is never held back); in between, new windows wait for the next round."""
+    module). A round that decodes every feed's windows comes at most every ``round_interval_s``; in between, a
+    round decodes only the feeds that have a request's first or last window (first audio is never held back,
+    and it does not wait for everybody else's windows), and the others' windows wait for the next full round."""
 
     def __init__(self, audio: AudioDecoder, round_interval_s: float = 0.0):
         if not round_interval_s >= 0:
@@ -206,7 +207,8 @@ class AudioPump:
                 del self._feeds[id(feed.stream)]
 
     def _round(self, feeds: list[Feed]) -> bool:
-        """Take the feeds' news; decode and deliver, or (paced, nothing urgent) put it all off: False."""
+        """Take the feeds' news; decode and deliver (paced: only the urgent feeds'), or (paced, nothing urgent) put
+        it all off: False."""
         live: list[Feed] = []
         for feed in feeds:
             if feed.closed:
@@ -218,13 +220,16 @@ class AudioPump:
                 continue
             live.append(feed)
         now = time.monotonic()
-        if now - self._last_decode < self.round_interval_s and not any(feed._urgent() for feed in live):
+        if now - self._last_decode < self.round_interval_s:  # paced: only the feeds with a first or last window
+            later = [feed for feed in live if not feed._urgent()]
             with self._lock:
-                for feed in live:
+                for feed in later:
                     if id(feed.stream) in self._feeds:
                         self._marked[id(feed.stream)] = None
-            return False
-        if any(feed._windows for feed in live):
+            if len(later) == len(live):
+                return False
+            live = [feed for feed in live if feed._urgent()]
+        elif any(feed._windows for feed in live):
             self._last_decode = now
         taken: list[tuple[Feed, list, list[Window]]] = []  # each feed's outputs and windows, handed out now
         for feed in live:
