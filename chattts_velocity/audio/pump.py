@@ -221,14 +221,14 @@ class AudioPump:
             live.append(feed)
         now = time.monotonic()
         if now - self._last_decode < self.round_interval_s:  # paced: only the feeds with a first or last window
-            later = [feed for feed in live if not feed._urgent()]
+            urgent = {id(feed) for feed in live if feed._urgent()}
             with self._lock:
-                for feed in later:
-                    if id(feed.stream) in self._feeds:
+                for feed in live:
+                    if id(feed) not in urgent and id(feed.stream) in self._feeds:
                         self._marked[id(feed.stream)] = None
-            if len(later) == len(live):
+            if not urgent:
                 return False
-            live = [feed for feed in live if feed._urgent()]
+            live = [feed for feed in live if id(feed) in urgent]
         elif any(feed._windows for feed in live):
             self._last_decode = now
         taken: list[tuple[Feed, list, list[Window]]] = []  # each feed's outputs and windows, handed out now

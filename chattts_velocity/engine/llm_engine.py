@@ -226,7 +226,8 @@ class LLMEngine:
                 return []
             self._count(plan)
             window = self.worker.launch(plan)
-            self.scheduler.computed(plan.scheduled)
+            if not window.decode:  # a decode's one token is counted with its sample (``Scheduler.accept``)
+                self.scheduler.computed(plan.scheduled)
         else:
             self._batch = list(window.seqs)
         if window.decode:

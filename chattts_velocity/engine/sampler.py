@@ -107,14 +107,14 @@ class Sampler:
     def __call__(self, hidden: Tensor, seqs: list[Sequence]) -> Tensor:
         """hidden [S, H] float32, one row per sequence -> [S, Q] int64 tokens on its device (a text token
         repeats its id over the codebooks), not waited for."""
-        tokens = hidden.new_empty((len(seqs), self.num_vq), dtype=torch.int64)
-        for text_mode in (False, True):
+        modes = {s.text_mode for s in seqs}
+        if len(modes) == 1:
+            return self._sample_group(hidden, seqs, modes.pop())
+        tokens = hidden.new_empty((len(seqs), self.num_vq), dtype=torch.int64)  # none, or both modes
+        for text_mode in modes:
             idx = [i for i, s in enumerate(seqs) if s.text_mode == text_mode]
-            if idx and len(idx) == len(seqs):
-                return self._sample_group(hidden, seqs, text_mode)
-            if idx:
-                rows = torch.tensor(idx, device=hidden.device)
-                tokens[rows] = self._sample_group(hidden[rows], [seqs[i] for i in idx], text_mode)
+            rows = torch.tensor(idx, device=hidden.device)
+            tokens[rows] = self._sample_group(hidden[rows], [seqs[i] for i in idx], text_mode)
         return tokens
 
     def _sample_group(self, hidden: Tensor, seqs: list[Sequence], text_mode: bool) -> Tensor:

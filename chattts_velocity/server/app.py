@@ -186,7 +186,7 @@ async def _speech(state: _State, body: SpeechRequest, request: Request) -> Respo
         state.metrics.count(path, 429)
         return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(config.retry_after_s)})
     try:
-        if body.refine_text or body.refine_prompt() is not None:  # runs the refine pass: waits for the engine
+        if body.refines:  # the refine pass waits for the engine: on a worker thread
             audio = await anyio.to_thread.run_sync(_prepare, state, body)
         else:
             # on the event loop: well under a millisecond of work (0.6 ms for 4,096 characters on the 2-core dev
@@ -248,9 +248,8 @@ def _prepare(state: _State, body: SpeechRequest) -> JoinedAudio:
     chat = state.chat
     voice = state.voices.resolve(body.voice)
     texts = chat._prepare_texts(body.input, True, None, True, True)
-    refine_prompt = body.refine_prompt()
-    if body.refine_text or refine_prompt is not None:
-        params = chat.RefineTextParams(prompt=refine_prompt or "", manual_seed=body.seed, show_tqdm=False)
+    if body.refines:
+        params = chat.RefineTextParams(prompt=body.refine_prompt() or "", manual_seed=body.seed, show_tqdm=False)
         texts = chat._refine(chat._velocity, texts, params)
     code = chat.InferCodeParams(
         prompt=body.speed_prompt(), spk_emb=voice.spk_emb, spk_smp=voice.spk_smp, txt_smp=voice.txt_smp,

@@ -47,6 +47,11 @@ class SpeechRequest(BaseModel):
         level = min(9, max(0, round(5 + 2.5 * math.log2(self.speed))))
         return f"[speed_{level}]"
 
+    @property
+    def refines(self) -> bool:
+        """The request runs ChatTTS's refine pass (``refine_text``, or refine tags as ``instructions``)."""
+        return self.refine_text or self.refine_prompt() is not None
+
     def refine_prompt(self) -> str | None:
         """The refine prompt when the instructions are ChatTTS refine tags, else None."""
         text = (self.instructions or "").replace(" ", "")
