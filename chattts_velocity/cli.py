@@ -102,6 +102,11 @@ def _serve(args: argparse.Namespace) -> int:
     engine = dict(max_num_seqs=args.max_num_seqs or config.max_concurrent * config.in_flight_sentences,
                   kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype or ("float16" if cuda else "float32"),
                   max_window_tokens=_window_tokens(args))
+    if args.engine_process:
+        from .server.run import serve_split
+
+        return serve_split({**_weights(args), **engine}, config, host=args.host, port=args.port,
+                           log_level=args.log_level, threads=args.threads)
     chat = _load(args, **engine)
     print(f"serving on http://{args.host}:{args.port} (OpenAI /v1/audio/speech)", flush=True)
     return serve(chat, config, host=args.host, port=args.port, log_level=args.log_level)
@@ -113,7 +118,8 @@ def _server_config(args: argparse.Namespace):
     return ServerConfig(
         max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_input_chars=args.max_input_chars,
         api_key=args.api_key, voices_dir=args.voices_dir, shutdown_timeout_s=args.shutdown_timeout,
-        max_new_token=args.max_new_token, keep_alive_s=args.keep_alive, audio_round_ms=args.audio_round_ms,
+        max_new_token=args.max_new_token, min_new_token=args.min_new_token, keep_alive_s=args.keep_alive,
+        audio_round_ms=args.audio_round_ms,
     )
 
 
@@ -173,6 +179,12 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max-input-chars", type=int, default=4096, help="longest input (default: 4096)")
     s.add_argument("--voices-dir", default=None, help="where registered voices are kept across restarts")
     s.add_argument("--max-new-token", type=int, default=2048, help="most audio tokens per sentence (default: 2048)")
+    s.add_argument("--min-new-token", type=int, default=0,
+                   help="audio tokens per sentence before it may end (default: 0; for benchmarks with --dummy: "
+                        "equal to --max-new-token, every request's audio has the same length)")
+    s.add_argument("--engine-process", action="store_true",
+                   help="run the model and engine in a process of their own, this one serving HTTP (each has its "
+                        "own GIL)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM (default: 30)")
     s.add_argument("--keep-alive", type=int, default=75,

@@ -166,7 +166,13 @@ def _summary(n: int, results: list[dict], wall: float, cpu: list[float]) -> dict
                 rtf_min=min((r["rtf"] for r in ok), default=float("nan")),
                 rtf_p50=float(np.median([r["rtf"] for r in ok])) if ok else float("nan"),
                 rtf_total=sum(r["audio_s"] for r in ok) / wall, wall_s=wall, client_processes=len(cpu),
-                client_cpu_s=max(cpu))
+                client_cpu_s=max(cpu),
+                # how long the requests' audio was (random weights end a request at random unless the server's
+                # --min-new-token holds them to one length), and the slowest request's: a request with less
+                # audio than its time to first audio cannot be faster than real time
+                audio_s_min=min((r["audio_s"] for r in ok), default=float("nan")),
+                audio_s_p50=float(np.median([r["audio_s"] for r in ok])) if ok else float("nan"),
+                slowest_audio_s=min(ok, key=lambda r: r["rtf"])["audio_s"] if ok else float("nan"))
 
 
 def format_table(rows: list[dict]) -> str:

@@ -34,6 +34,7 @@ from .audio_format import CONTENT_TYPES, StreamEncoder
 from .config import ServerConfig
 from .metrics import Metrics
 from .schema import OPENAI_MODELS, SpeechRequest, error
+from .split import EngineGoneError
 from .voices import UnknownVoiceError, VoiceRegistry, read_sample
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,15 @@ def _trim() -> None:
 
 class _State:
     def __init__(self, chat, config: ServerConfig, cluster=None):
-        self.chat, self.config = chat, config
-        self.voices = VoiceRegistry(chat, config.voices_dir, None if cluster is None else cluster.voices)
+        self.config = config
+        self.remote = chat if getattr(chat, "remote", False) else None
+        """The engine process (``split.EngineProcess``) when the engine runs apart; then ``chat`` and
+        ``voices`` are None (they live there)."""
+        self.chat = None if self.remote else chat
+        self.voices = None if self.remote else VoiceRegistry(chat, config.voices_dir,
+                                                             None if cluster is None else cluster.voices)
         self.admission = Admission(config.max_concurrent, config.max_queue)
-        self.metrics = Metrics(chat.engine, self.admission)
+        self.metrics = Metrics(self.remote or chat.engine, self.admission)
         self.draining = False
         self.in_flight = 0
         """Speech requests admitted and not yet done (what a graceful shutdown waits for)."""
@@ -79,12 +85,14 @@ class _State:
 
 
 def build_app(chat, config: ServerConfig | None = None, cluster=None) -> FastAPI:
-    """The app over a loaded ``Chat``. ``cluster`` is set on a Ray Serve replica (``cluster.ReplicaLink``):
-    registered voices go to its ``voices`` store, which every replica reads, and ``/metrics`` renders every
-    replica's series (``await cluster.render_metrics(metrics)``). Without it the app serves this process alone."""
+    """The app over a loaded ``Chat``, or over the engine process's handle (``split.EngineProcess``, which set
+    up its own audio pump). ``cluster`` is set on a Ray Serve replica (``cluster.ReplicaLink``): registered
+    voices go to its ``voices`` store, which every replica reads, and ``/metrics`` renders every replica's series
+    (``await cluster.render_metrics(metrics)``). Without it the app serves this process alone."""
     config = config or ServerConfig()
-    chat._velocity.pump.round_interval_s = config.audio_round_ms / 1000
     state = _State(chat, config, cluster)
+    if state.chat is not None:
+        chat._velocity.pump.round_interval_s = config.audio_round_ms / 1000
     app = FastAPI(title="chattts-velocity", version="0.1.0")
     app.state.speech = state
     limiter = anyio.to_thread.current_default_thread_limiter
@@ -107,10 +115,17 @@ def build_app(chat, config: ServerConfig | None = None, cluster=None) -> FastAPI
     async def health() -> Response:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if state.remote is not None and state.remote.gone is not None:
+            return JSONResponse({"status": "engine process gone", "detail": state.remote.gone}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if state.remote is not None:
+            try:
+                await state.remote.refresh()
+            except RuntimeError as e:  # the engine process is gone
+                return error(503, str(e), "server_error")
         if cluster is None:
             body, content_type = state.metrics.render()
         else:
@@ -124,8 +139,12 @@ def build_app(chat, config: ServerConfig | None = None, cluster=None) -> FastAPI
 
     @app.get("/v1/audio/voices")
     async def voices() -> dict:
-        await anyio.to_thread.run_sync(state.voices.reload)
-        return {"voices": [{"id": v.id, "name": v.name} for v in state.voices.list()]}
+        if state.remote is not None:
+            pairs = await state.remote.call("voices")
+        else:
+            await anyio.to_thread.run_sync(state.voices.reload)
+            pairs = [(v.id, v.name) for v in state.voices.list()]
+        return {"voices": [{"id": vid, "name": name} for vid, name in pairs]}
 
     @app.post("/v1/audio/voices", status_code=201)
     async def register_voice(audio: Annotated[UploadFile, File()], transcript: Annotated[str, Form()],
@@ -133,10 +152,14 @@ def build_app(chat, config: ServerConfig | None = None, cluster=None) -> FastAPI
         data = await audio.read()
         try:
             wav = await anyio.to_thread.run_sync(read_sample, data)
-            voice = await anyio.to_thread.run_sync(state.voices.register, name, wav, transcript)
+            if state.remote is not None:
+                vid, vname = await state.remote.call("register", name, wav, transcript)
+            else:
+                voice = await anyio.to_thread.run_sync(state.voices.register, name, wav, transcript)
+                vid, vname = voice.id, voice.name
         except ValueError as e:
             return error(400, str(e), param="audio" if "audio" in str(e) else "transcript")
-        return JSONResponse({"id": voice.id, "name": voice.name}, status_code=201)
+        return JSONResponse({"id": vid, "name": vname}, status_code=201)
 
     @app.post("/v1/audio/speech")
     async def speech(body: SpeechRequest, request: Request) -> Response:
@@ -186,13 +209,19 @@ async def _speech(state: _State, body: SpeechRequest, request: Request) -> Respo
         state.metrics.count(path, 429)
         return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(config.retry_after_s)})
     try:
-        if body.refines:  # the refine pass waits for the engine: on a worker thread
+        if state.remote is not None:  # prepared in the engine process
+            audio = await state.remote.prepare(body)
+        elif body.refines:  # the refine pass waits for the engine: on a worker thread
             audio = await anyio.to_thread.run_sync(_prepare, state, body)
         else:
             # on the event loop: well under a millisecond of work (0.6 ms for 4,096 characters on the 2-core dev
             # box), while a hop to a worker thread under load waits for the GIL, and each of up to 40 busy
             # worker threads makes the engine thread wait for it after every torch call
             audio = _prepare(state, body)
+    except EngineGoneError as e:
+        ticket.cancel()
+        state.metrics.count(path, 503)
+        return error(503, str(e), "server_error")
     except (UnknownVoiceError, ValueError) as e:
         ticket.cancel()
         status = 404 if isinstance(e, UnknownVoiceError) else 400
@@ -244,9 +273,12 @@ class _Admitted(StreamingResponse):
 
 
 def _prepare(state: _State, body: SpeechRequest) -> JoinedAudio:
+    return prepare_speech(state.chat, state.voices, state.config, body)
+
+
+def prepare_speech(chat, voices: VoiceRegistry, config: ServerConfig, body: SpeechRequest) -> JoinedAudio:
     """Sentences, voice and parameters of a request, validated; the audio iterator (nothing runs yet)."""
-    chat = state.chat
-    voice = state.voices.resolve(body.voice)
+    voice = voices.resolve(body.voice)
     texts = chat._prepare_texts(body.input, True, None, True, True)
     if body.refines:
         params = chat.RefineTextParams(prompt=body.refine_prompt() or "", manual_seed=body.seed, show_tqdm=False)
@@ -254,9 +286,9 @@ def _prepare(state: _State, body: SpeechRequest) -> JoinedAudio:
     code = chat.InferCodeParams(
         prompt=body.speed_prompt(), spk_emb=voice.spk_emb, spk_smp=voice.spk_smp, txt_smp=voice.txt_smp,
         temperature=body.temperature, top_P=body.top_p, top_K=body.top_k, manual_seed=body.seed, show_tqdm=False,
-        max_new_token=state.config.max_new_token,
+        max_new_token=config.max_new_token, min_new_token=config.min_new_token,
     )
-    return chat._velocity.stream_joined(texts, code, use_decoder=True, in_flight=state.config.in_flight_sentences)
+    return chat._velocity.stream_joined(texts, code, use_decoder=True, in_flight=config.in_flight_sentences)
 
 
 async def _chunks(state: _State, audio: JoinedAudio, ticket: Ticket) -> AsyncIterator[np.ndarray]:

@@ -27,6 +27,10 @@ class ServerConfig:
     """Sentences of one long input generated at once (the rest follow as those finish)."""
     max_new_token: int = 2048
     """Most audio tokens per sentence (ChatTTS's ``max_new_token``; 2048 tokens are 43.7 s)."""
+    min_new_token: int = 0
+    """Audio tokens per sentence before its end may be sampled (ChatTTS's ``min_new_token``; at most
+    ``max_new_token``). For benchmarks: random weights sample the end early at random, and with
+    ``min_new_token = max_new_token`` every request's audio has the same length."""
     retry_after_s: int = 1
     """``Retry-After`` of a 429."""
     shutdown_timeout_s: float = 30.0
@@ -47,6 +51,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.min_new_token, int) or isinstance(self.min_new_token, bool) or self.min_new_token < 0:
+            raise ValueError(f"min_new_token must be an int >= 0, got {self.min_new_token!r}")
+        if self.min_new_token > self.max_new_token:
+            raise ValueError(f"min_new_token ({self.min_new_token}) must be at most max_new_token ({self.max_new_token})")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {self.max_queue!r}")
         if not 0 <= self.audio_round_ms <= 1000:

@@ -84,3 +84,25 @@ def serve(chat, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
     finally:
         chat.unload()
     return 0
+
+
+def serve_split(load: dict, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                warmup: bool | None = None, threads: int | None = None) -> int:
+    """``serve`` with the model and engine in a process of their own (``split``): it loads ``Chat.load(**load)``
+    (and warms up, by default on CUDA), this process serves HTTP. SIGTERM drains as in ``serve``, then stops the
+    engine process. Returns the exit code."""
+    from .split import EngineProcess
+
+    engine = EngineProcess(load, config, warmup=warmup, log_level=log_level, threads=threads)
+    try:
+        info = engine.wait_ready()
+        app = build_app(engine, config)
+        server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                timeout_keep_alive=config.keep_alive_s),
+                                 app.state.speech, config.shutdown_timeout_s)
+        print(f"serving on http://{host}:{port} (OpenAI /v1/audio/speech; engine process {engine.process.pid} on "
+              f"{info.get('device')})", flush=True)
+        server.run()
+    finally:
+        engine.close()
+    return 0

@@ -1,0 +1,461 @@
+"""The engine in a process of its own (``serve --engine-process``): this process answers HTTP (FastAPI, uvicorn,
+the audio encoders); a child process loads the model and runs the engine thread and the audio pump; they talk
+over two pipes. Requests, cancels and calls (voices, stats, health) go down; acknowledgements, replies and each
+request's audio chunks come back, every chunk a round made ready in one message.
+
+Why: a Python process runs one thread at a time (the GIL). In one process the event loop's HTTP and encoding
+work and the engine thread's steps and audio rounds take turns: at 256 streams on an H100 the server process
+used 8.2 s of CPU over a 6.6 s level with the engine thread busy throughout, and every device wait of the engine
+thread handed the GIL to the loop, which the engine thread then waited to get back
+(`python benchmarks/serve_timeline.py --http`). Apart, each has a GIL of its own.
+
+The front never touches the model: a request is validated and prepared in the engine process (a bad one comes
+back as the ``ValueError`` or ``UnknownVoiceError`` it raised there, so the front answers the same 4xx as the
+one-process server), and ``RemoteAudio`` reads like ``JoinedAudio``. A client that leaves has its request
+cancelled over the pipe (the engine process aborts its engine requests at once). If the engine process dies,
+every request in flight fails, ``/health`` answers 503 and new requests get 503. The engine process ignores
+SIGINT and SIGTERM: the front drains and then stops it (or it exits when the front's pipe closes)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import signal
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from ..audio.pump import PENDING
+from .config import ServerConfig
+from .schema import SpeechRequest
+from .voices import UnknownVoiceError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineGoneError(RuntimeError):
+    """The engine process is not running (it exited or was killed): the server cannot generate."""
+
+
+# ============================================================================ the engine process
+def _engine_main(load: dict, config: ServerConfig, warmup: bool | None, log_level: str, threads: int | None,
+                 cmd, events) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front owns the lifetime (a Ctrl-C reaches the group)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s [engine process] %(name)s: %(message)s")
+    import torch
+
+    from ..chat import Chat
+    from .run import warm_up
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    chat = Chat()
+    chat.load(**load)
+    if warmup if warmup is not None else chat.device.type == "cuda":
+        warm_up(chat)
+    chat._velocity.pump.round_interval_s = config.audio_round_ms / 1000
+    host = _Host(chat, config, events)
+    host.send(("ready", {"device": str(chat.device)}))
+    try:
+        host.serve(cmd)
+    finally:
+        chat.unload()
+
+
+class _Host:
+    """The engine process's side: prepares requests, ships their audio, answers calls."""
+
+    def __init__(self, chat, config: ServerConfig, events):
+        from .voices import VoiceRegistry
+
+        self.chat, self.config = chat, config
+        self.voices = VoiceRegistry(chat, config.voices_dir)
+        self._events, self._send_lock = events, threading.Lock()
+        self._cond = threading.Condition()  # guards the three below
+        self._audio: dict[str, object] = {}  # request id -> its JoinedAudio
+        self._due: dict[str, None] = {}  # requests with news for the shipper, in order
+        self._cancelled: set[str] = set()  # cancelled while being prepared
+        threading.Thread(target=self._ship, name="chattts-velocity-ship", daemon=True).start()
+
+    def send(self, msg) -> None:
+        with self._send_lock:
+            self._events.send(msg)
+
+    def serve(self, cmd) -> None:
+        """Handle the front's messages until it says stop or goes away; then cancel what is left."""
+        while True:
+            try:
+                msg = cmd.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "submit":
+                _, rid, fields = msg
+                body = SpeechRequest.model_validate(fields)
+                if body.refines:  # the refine pass waits for the engine: not on this thread
+                    threading.Thread(target=self._prepare, args=(rid, body), daemon=True).start()
+                else:
+                    self._prepare(rid, body)
+            elif kind == "cancel":
+                self._cancel(msg[1])
+            elif kind == "call":
+                threading.Thread(target=self._call, args=msg[1:], daemon=True).start()
+            elif kind == "stop":
+                break
+        with self._cond:
+            rids = list(self._audio)
+        for rid in rids:
+            self._cancel(rid)
+
+    def _prepare(self, rid: str, body: SpeechRequest) -> None:
+        from .app import prepare_speech
+
+        try:
+            audio = prepare_speech(self.chat, self.voices, self.config, body)
+        except UnknownVoiceError as e:
+            self.send(("ack", rid, ("voice", str(e))))
+            return
+        except ValueError as e:
+            self.send(("ack", rid, ("input", str(e))))
+            return
+        except Exception as e:  # noqa: BLE001 - reported to the front as a 500
+            logger.exception("preparing request %s failed", rid)
+            self.send(("ack", rid, ("internal", f"{type(e).__name__}: {e}")))
+            return
+        audio.on_ready(lambda: self._mark(rid))
+        with self._cond:
+            cancelled = rid in self._cancelled
+            self._cancelled.discard(rid)
+            if not cancelled:
+                self._audio[rid] = audio
+        if cancelled:
+            audio.cancel()
+            return
+        self.send(("ack", rid, None))
+        self._mark(rid)  # its first ``next`` submits its engine requests
+
+    def _mark(self, rid: str) -> None:
+        with self._cond:
+            self._due[rid] = None
+            self._cond.notify()
+
+    def _cancel(self, rid: str) -> None:
+        with self._cond:
+            audio = self._audio.pop(rid, None)
+            if audio is None:
+                self._cancelled.add(rid)  # not prepared yet (or already over: then this is never read)
+                return
+        audio.cancel()  # thread-safe, even while the shipper is inside its ``next``
+
+    def _ship(self) -> None:
+        """Send every chunk that is ready, all requests' in one message per pass."""
+        while True:
+            with self._cond:
+                while not self._due:
+                    self._cond.wait()
+                due, self._due = list(self._due), {}
+                audios = [(rid, self._audio.get(rid)) for rid in due]
+            items = []
+            for rid, audio in audios:
+                if audio is None:
+                    continue
+                parts, end, failure = [], False, None
+                try:
+                    while (chunk := next(audio)) is not PENDING:
+                        parts.append(chunk)
+                except StopIteration:
+                    end = True
+                except Exception as err:  # noqa: BLE001 - raised once the audio before it is out
+                    end, failure = True, str(err)
+                    logger.warning("request %s failed: %s", rid, err)
+                if parts:
+                    items.append((rid, np.concatenate(parts) if len(parts) > 1 else parts[0], None))
+                if end:
+                    items.append((rid, None, failure or ""))
+                    with self._cond:
+                        self._audio.pop(rid, None)
+                    audio.cancel()
+            if items:
+                try:
+                    self.send(("audio", items))
+                except (OSError, EOFError):  # the front is gone: ``serve`` ends on its closed pipe
+                    return
+
+    def _call(self, cid: int, name: str, args: tuple) -> None:
+        try:
+            if name == "voices":
+                self.voices.reload()
+                value = [(v.id, v.name) for v in self.voices.list()]
+            elif name == "register":
+                voice = self.voices.register(*args)
+                value = (voice.id, voice.name)
+            elif name == "stats":
+                value = self.chat.engine.stats().engine
+            elif name == "health":
+                self.chat.engine.check_health()
+                value = None
+            else:
+                raise ValueError(f"unknown call {name!r}")
+            reply = ("reply", cid, None, value)
+        except Exception as e:  # noqa: BLE001 - raised again in the front
+            reply = ("reply", cid, type(e).__name__, str(e))
+        try:
+            self.send(reply)
+        except (OSError, EOFError):
+            pass
+
+
+# ============================================================================ the front
+class RemoteAudio:
+    """One request's audio coming from the engine process, read like ``JoinedAudio``: ``next`` returns the next
+    chunk (float32), ``PENDING`` when none is there and ``on_ready`` gave a callback (else it waits), raises
+    ``StopIteration`` at the end and ``RuntimeError`` if generation failed. ``cancel`` from any thread."""
+
+    def __init__(self, owner: EngineProcess, rid: str):
+        self._owner, self.rid = owner, rid
+        self._cond = threading.Condition()
+        self._items: deque[np.ndarray] = deque()
+        self._notify = None
+        self._over = False
+        self._failure: str | None = None
+
+    def __iter__(self) -> RemoteAudio:
+        return self
+
+    def __next__(self):
+        with self._cond:
+            while True:
+                if self._items:
+                    return self._items.popleft()
+                if self._over:
+                    if self._failure:
+                        failure, self._failure = self._failure, None
+                        raise RuntimeError(failure)
+                    raise StopIteration
+                if self._notify is not None:
+                    return PENDING
+                self._cond.wait()
+
+    def on_ready(self, notify) -> None:
+        self._notify = notify
+
+    def cancel(self) -> None:
+        with self._cond:
+            if self._over:
+                return
+            self._over = True
+            self._cond.notify_all()
+        self._owner._cancel(self.rid)
+
+    close = cancel
+
+    def _put(self, chunk: np.ndarray | None, failure: str | None) -> None:
+        """A chunk, or (``chunk`` None) the end: ``failure`` says why it failed ("" if it did not)."""
+        with self._cond:
+            if self._over:
+                return
+            if chunk is None:
+                self._over, self._failure = True, failure or None
+            else:
+                self._items.append(chunk)
+            self._cond.notify_all()
+            notify = self._notify
+        if notify is not None:
+            notify()
+
+
+class _Stats:
+    """What ``Metrics`` reads from an engine: the engine process's latest stats (``EngineProcess.refresh``)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+
+class EngineProcess:
+    """The front's handle on the engine process: start it (``wait_ready``), prepare requests (``prepare``),
+    make calls (``call``), read its stats (``stats``, as ``AsyncLLMEngine.stats`` for ``Metrics``), stop it
+    (``close``)."""
+
+    remote = True
+    """Tells ``build_app`` that this is not a ``Chat``."""
+
+    def __init__(self, load: dict, config: ServerConfig, warmup: bool | None = None, log_level: str = "info",
+                 threads: int | None = None):
+        ctx = mp.get_context("spawn")  # not a fork of a process with threads (and torch)
+        cmd_in, self._cmd = ctx.Pipe(duplex=False)
+        self._events, events_out = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_engine_main, name="chattts-velocity-engine", daemon=True,
+                                   args=(load, config, warmup, log_level, threads, cmd_in, events_out))
+        self.process.start()
+        cmd_in.close()
+        events_out.close()
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the dicts below
+        self._audio: dict[str, RemoteAudio] = {}
+        self._waiting: dict[object, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # acks and replies
+        self._ids = itertools.count()
+        self._stats = None
+        self.gone: str | None = None
+        """Why the engine process is not running (None while it is)."""
+        self._closing = False
+        self.info: dict = {}
+
+    # ---------------------------------------------------------------- lifetime
+    def wait_ready(self, timeout: float = 1800.0) -> dict:
+        """Block until the engine process loaded the model (and warmed up); raise ``RuntimeError`` if it died or
+        took longer than ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not self._events.poll(0.5):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the engine process exited with {self.process.exitcode} while loading the model "
+                                   "(its log is above)")
+            if time.monotonic() > deadline:
+                self.close(0)
+                raise RuntimeError(f"the engine process was not ready after {timeout:g} s")
+        try:
+            kind, self.info = self._events.recv()
+        except EOFError:
+            raise RuntimeError("the engine process exited while loading the model (its log is above)") from None
+        assert kind == "ready", kind
+        threading.Thread(target=self._read, name="chattts-velocity-engine-reader", daemon=True).start()
+        return self.info
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the engine process (requests still in it are cancelled) and wait up to ``timeout`` s."""
+        self._closing = True
+        try:
+            self._send(("stop",))
+        except EngineGoneError:
+            pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+
+    # ---------------------------------------------------------------- requests and calls
+    async def prepare(self, body: SpeechRequest) -> RemoteAudio:
+        """Submit a request; its audio once the engine process accepted it. Raises what preparing it raised
+        there: ``UnknownVoiceError``, ``ValueError`` (bad input), ``EngineGoneError``, ``RuntimeError``."""
+        rid = f"r{next(self._ids)}"
+        audio = RemoteAudio(self, rid)
+        with self._lock:
+            self._audio[rid] = audio
+        try:
+            error = await self._request(rid, ("submit", rid, body.model_dump()))
+        except BaseException:
+            audio.cancel()  # a cancelled handler: the engine process drops it once prepared
+            raise
+        if error is not None:
+            with self._lock:
+                self._audio.pop(rid, None)
+            kind, message = error
+            raise (UnknownVoiceError if kind == "voice" else ValueError if kind == "input" else RuntimeError)(message)
+        return audio
+
+    async def call(self, name: str, *args):
+        """Run a call in the engine process (``voices``, ``register``, ``stats``, ``health``); its error is raised
+        again here (``ValueError`` as such, any other as ``RuntimeError``)."""
+        cid = next(self._ids)
+        error, value = await self._request(cid, ("call", cid, name, args))
+        if error is not None:
+            raise (ValueError if error == "ValueError" else RuntimeError)(value)
+        return value
+
+    async def refresh(self) -> None:
+        """Fetch the engine's stats for the next ``stats()``."""
+        self._stats = await self.call("stats")
+
+    def stats(self) -> _Stats:
+        if self._stats is None:
+            raise RuntimeError("no stats yet: await refresh() first")
+        return _Stats(self._stats)
+
+    async def _request(self, key, msg):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._waiting[key] = loop, future
+        try:
+            self._send(msg)
+            return await future
+        finally:
+            with self._lock:
+                self._waiting.pop(key, None)
+
+    def _cancel(self, rid: str) -> None:
+        with self._lock:
+            known = self._audio.pop(rid, None) is not None
+        if known and self.gone is None:
+            try:
+                self._send(("cancel", rid))
+            except EngineGoneError:
+                pass
+
+    def _send(self, msg) -> None:
+        if self.gone is not None:
+            raise EngineGoneError(self.gone)
+        try:
+            with self._send_lock:
+                self._cmd.send(msg)
+        except (OSError, ValueError) as e:  # a broken pipe, or closed
+            raise EngineGoneError(f"the engine process is not running ({e})") from None
+
+    # ---------------------------------------------------------------- the reader thread
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._events.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "audio":
+                with self._lock:
+                    targets = [(self._audio.get(rid), chunk, failure) for rid, chunk, failure in msg[1]]
+                    for rid, chunk, _ in msg[1]:
+                        if chunk is None:
+                            self._audio.pop(rid, None)
+                for audio, chunk, failure in targets:
+                    if audio is not None:
+                        audio._put(chunk, failure)
+            elif kind == "ack":
+                self._resolve(msg[1], msg[2])
+            elif kind == "reply":
+                self._resolve(msg[1], (msg[2], msg[3]))
+        self.process.join(2)  # reaped, so its exit code is known
+        code = self.process.exitcode
+        self.gone = "the engine process exited" + (f" with {code}" if code is not None else "")
+        if not self._closing:
+            logger.error("%s: failing every request in flight", self.gone)
+        with self._lock:
+            audios, self._audio = list(self._audio.values()), {}
+            waiting, self._waiting = list(self._waiting.values()), {}
+        for audio in audios:
+            audio._put(None, self.gone)
+        for loop, future in waiting:
+            _settle(loop, future, EngineGoneError(self.gone))
+
+    def _resolve(self, key, value) -> None:
+        with self._lock:
+            entry = self._waiting.pop(key, None)
+        if entry is not None:
+            _settle(*entry, value)
+
+
+def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
+    def settle() -> None:
+        if future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop closed
+        pass
