@@ -81,6 +81,24 @@ def decode_audio(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
     return np.concatenate(parts).astype(np.float32), rate
 
 
+def engine_processes(pid: int) -> list[int]:
+    """The engine processes (``serve --engine-process``) that are children of server process ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        if ppid == pid and b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
+            found.append(int(entry))
+    return found
+
+
 def metric(url: str, name: str, headers: dict | None = None) -> float:
     """One unlabelled sample of ``GET /metrics``."""
     for line in httpx.get(url + "/metrics", headers=headers, timeout=10).text.splitlines():

@@ -1,6 +1,7 @@
 """The speech server as clients use it: the official ``openai`` SDK (every format, streamed pcm, SSE), the
 voices list as Open WebUI reads it, a registered voice, auth, limits and a battery of bad requests, against
-one live server on 127.0.0.1 over a tiny checkpoint."""
+one live server on 127.0.0.1 over a tiny checkpoint: once in one process, once with the engine in a process of
+its own (``--engine-process``)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ TOLERANCE_S = {"mp3": 0.1, "opus": 0.001, "aac": 0.1, "flac": 0.001, "wav": 0.00
 2304 and 2047 samples, `tests/test_audio_format.py`); Ogg Opus trims them."""
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, upstream_ckpt):
+@pytest.fixture(scope="module", params=["one-process", "engine-process"])
+def server(request, tmp_path_factory, upstream_ckpt):
     voices = tmp_path_factory.mktemp("voices")
+    split = ("--engine-process",) if request.param == "engine-process" else ()
     srv = ServerProcess(upstream_ckpt, "--max-new-token", "48", "--voices-dir", str(voices), "--max-concurrent", "4",
-                        "--max-queue", "2", "--max-input-chars", "400")
+                        "--max-queue", "2", "--max-input-chars", "400", *split)
     yield srv
     assert srv.stop() == 0
 

@@ -1,13 +1,15 @@
 """SIGTERM with requests in flight: they finish with all their audio, new requests get 503 meanwhile, and the
-process exits 0."""
+process exits 0 (with ``--engine-process``, its engine process exits too)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import httpx
-from server_helpers import API_KEY, ServerProcess
+import pytest
+from server_helpers import API_KEY, ServerProcess, engine_processes
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -17,8 +19,12 @@ def body(seed: int) -> dict:
     return {"model": "tts-1", "voice": "echo", "input": text, "response_format": "pcm", "seed": seed}
 
 
-def test_sigterm_drains_in_flight_requests(upstream_ckpt):
-    srv = ServerProcess(upstream_ckpt, "--max-new-token", "160", "--shutdown-timeout", "60")
+@pytest.mark.parametrize("split", [False, True], ids=["one-process", "engine-process"])
+def test_sigterm_drains_in_flight_requests(upstream_ckpt, split):
+    srv = ServerProcess(upstream_ckpt, "--max-new-token", "160", "--shutdown-timeout", "60",
+                        *(["--engine-process"] if split else []))
+    engines = engine_processes(srv.proc.pid)
+    assert len(engines) == int(split)
     alone = {seed: len(httpx.post(srv.url + "/v1/audio/speech", json=body(seed), headers=AUTH, timeout=60).content)
              for seed in range(3)}
     sizes, started = {}, threading.Semaphore(0)
@@ -48,3 +54,10 @@ def test_sigterm_drains_in_flight_requests(upstream_ckpt):
     assert sizes == {seed: (200, alone[seed]) for seed in range(3)}, (sizes, alone)
     assert srv.proc.wait(60) == 0
     srv.stop()
+    for pid in engines:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), "the engine process outlived the server"
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"

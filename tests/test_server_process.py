@@ -1,0 +1,72 @@
+"""``serve --engine-process``: what the process split adds to the server tests run in both modes
+(`test_server.py`, `test_server_shutdown.py`): a client that leaves has its engine requests aborted across the
+pipe, ``--min-new-token`` holds every request to one length, and a dead engine process fails the requests in
+flight, turns ``/health`` and new requests into 503s, and the front still exits cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from server_helpers import API_KEY, ServerProcess, engine_processes, metric
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+TOKENS = 300
+
+
+def body(text: str = "One sentence, spoken at its full length.", seed: int = 1) -> dict:
+    return {"model": "tts-1", "voice": "echo", "input": text, "response_format": "pcm", "seed": seed}
+
+
+@pytest.fixture(scope="module")
+def server(upstream_ckpt):
+    srv = ServerProcess(upstream_ckpt, "--engine-process", "--max-new-token", str(TOKENS), "--min-new-token",
+                        str(TOKENS))
+    yield srv
+    srv.stop()
+
+
+def test_min_new_token_holds_every_request_to_its_length(server):
+    for seed in (1, 2):
+        r = httpx.post(server.url + "/v1/audio/speech", json=body(seed=seed), headers=AUTH, timeout=60)
+        assert r.status_code == 200
+        assert len(r.content) // 2 == (2 * TOKENS - 1) * 256  # T tokens decode to (2T - 1) * 256 samples
+
+
+def test_a_client_that_leaves_has_its_requests_aborted_in_the_engine_process(server):
+    text = " ".join(f"Sentence {i} of a long request that the client leaves early." for i in range(6))
+    before = metric(server.url, "chattts_generated_tokens")
+    for seed in range(3):
+        with httpx.stream("POST", server.url + "/v1/audio/speech", json=body(text, seed), headers=AUTH,
+                          timeout=60) as r:
+            assert r.status_code == 200
+            next(r.iter_bytes())  # the first chunk: generation is under way
+    deadline = time.monotonic() + 10
+    while metric(server.url, "chattts_kv_blocks_used") > 0 or metric(server.url, "chattts_engine_running") > 0:
+        assert time.monotonic() < deadline, "the engine process kept the requests the clients left"
+        time.sleep(0.1)
+    # every sentence generates exactly TOKENS (--min-new-token): finished, the three would have made them all
+    assert metric(server.url, "chattts_generated_tokens") - before < 3 * 6 * TOKENS
+
+
+def test_a_dead_engine_process_fails_requests_with_503_and_the_front_exits_cleanly(server):
+    (engine,) = engine_processes(server.proc.pid)
+    text = " ".join(f"Sentence {i} is cut off when the engine process dies." for i in range(6))
+    with httpx.stream("POST", server.url + "/v1/audio/speech", json=body(text), headers=AUTH, timeout=60) as r:
+        chunks = r.iter_bytes()
+        got = len(next(chunks))
+        os.kill(engine, signal.SIGKILL)
+        with pytest.raises(httpx.RemoteProtocolError):  # cut off: never a short body that looks whole
+            for chunk in chunks:
+                got += len(chunk)
+    assert 0 < got < 6 * (2 * TOKENS - 1) * 256 * 2  # s16le: the whole body would be every sentence's samples
+    health = httpx.get(server.url + "/health", timeout=10)
+    assert health.status_code == 503 and "engine process" in health.json()["status"]
+    late = httpx.post(server.url + "/v1/audio/speech", json=body(), headers=AUTH, timeout=10)
+    assert late.status_code == 503 and "engine process" in late.json()["error"]["message"]
+    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 503
+    server.terminate()
+    assert server.proc.wait(30) == 0
