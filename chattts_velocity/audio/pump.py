@@ -54,6 +54,21 @@ PENDING = _Pending()
 of waiting: its reader comes back after the next ``notify``."""
 
 
+def take_ready(audio) -> tuple[np.ndarray | None, bool, Exception | None]:
+    """Read a non-blocking audio iterator (one that yields ``PENDING``) up to its ``PENDING``: every chunk there
+    now as one array (None if none), whether it ended, and the error it raised (once the chunks before it are
+    taken: the caller hands those out first)."""
+    parts, end, failure = [], False, None
+    try:
+        while (chunk := next(audio)) is not PENDING:
+            parts.append(chunk)
+    except StopIteration:
+        end = True
+    except Exception as err:  # noqa: BLE001 - the caller reports it after the audio before it
+        end, failure = True, err
+    return (np.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else None, end, failure
+
+
 class Feed:
     """One ``RequestStream``'s requests turned into audio: iterate for ``Delivery`` objects until every request's
     audio is out (or the stream was closed); a failed request or decode raises there. ``close`` (or leaving a

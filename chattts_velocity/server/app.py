@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..audio.pump import PENDING
+from ..audio.pump import take_ready
 from ..config import SAMPLE_RATE
 from ..velocity import JoinedAudio
 from .admission import Admission, QueueFullError, Ticket
@@ -352,16 +352,9 @@ async def _produced(state: _State, audio: JoinedAudio) -> AsyncIterator[np.ndarr
     try:
         while True:
             ready.clear()  # before looking: news from here on sets it again
-            parts, end, failure = [], False, None
-            try:
-                while (chunk := next(audio)) is not PENDING:
-                    parts.append(chunk)
-            except StopIteration:
-                end = True
-            except Exception as err:  # noqa: BLE001 - raised once the audio before it is out
-                failure = err
-            if parts:
-                yield np.concatenate(parts) if len(parts) > 1 else parts[0]
+            chunk, end, failure = take_ready(audio)
+            if chunk is not None:
+                yield chunk
             if failure is not None:
                 raise failure
             if end:

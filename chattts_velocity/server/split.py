@@ -29,7 +29,7 @@ from collections import deque
 
 import numpy as np
 
-from ..audio.pump import PENDING
+from ..audio.pump import PENDING, take_ready
 from .config import ServerConfig
 from .schema import SpeechRequest
 from .voices import UnknownVoiceError
@@ -164,19 +164,13 @@ class _Host:
             for rid, audio in audios:
                 if audio is None:
                     continue
-                parts, end, failure = [], False, None
-                try:
-                    while (chunk := next(audio)) is not PENDING:
-                        parts.append(chunk)
-                except StopIteration:
-                    end = True
-                except Exception as err:  # noqa: BLE001 - raised once the audio before it is out
-                    end, failure = True, str(err)
-                    logger.warning("request %s failed: %s", rid, err)
-                if parts:
-                    items.append((rid, np.concatenate(parts) if len(parts) > 1 else parts[0], None))
+                chunk, end, failure = take_ready(audio)
+                if failure is not None:
+                    logger.warning("request %s failed: %s", rid, failure)
+                if chunk is not None:
+                    items.append((rid, chunk, None))
                 if end:
-                    items.append((rid, None, failure or ""))
+                    items.append((rid, None, "" if failure is None else str(failure)))
                     with self._cond:
                         self._audio.pop(rid, None)
                     audio.cancel()
