@@ -332,6 +332,53 @@ def start_server(chat, config) -> str:
     return f"http://127.0.0.1:{port}"
 
 
+def _front(cmd, events, config, port: int) -> None:
+    """The HTTP front of ``start_split_server``, in a process of its own."""
+    import uvicorn
+
+    from chattts_velocity.server.app import build_app
+    from chattts_velocity.server.split import EngineProcess
+
+    handle = EngineProcess(cmd, events)
+    handle.wait_ready()
+    uvicorn.run(build_app(handle, config), host="127.0.0.1", port=port, log_level="warning",
+                timeout_keep_alive=config.keep_alive_s)
+
+
+def start_split_server(chat, config) -> str:
+    """``serve --engine-process`` turned around: the engine is served from this process (instrumented, as
+    ``_Host`` serves it in the engine process), the HTTP front runs in a spawned process; its URL. The HTTP
+    phases are the front's, so only the engine's are reported."""
+    import multiprocessing as mp
+    import socket
+
+    import httpx
+
+    from chattts_velocity.server.split import _Host
+
+    ctx = mp.get_context("spawn")
+    cmd_in, cmd = ctx.Pipe(duplex=False)
+    events, events_out = ctx.Pipe(duplex=False)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx.Process(target=_front, args=(cmd, events, config, port), daemon=True).start()
+    host = _Host(chat, config, events_out)
+    host.send(("ready", {"device": str(chat.device)}))
+    threading.Thread(target=host.serve, args=(cmd_in,), name="host", daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the split server did not start")
+        time.sleep(0.2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[8, 64, 256])
@@ -347,6 +394,12 @@ def main() -> None:
                     help="serve the engine over HTTP in this process and drive it with `bench serve` instead")
     ap.add_argument("--max-window-tokens", type=int, default=None,
                     help="the engine's max_window_tokens (default: none, as Chat.load)")
+    ap.add_argument("--split", action="store_true",
+                    help="with --http: the engine served from this process, the HTTP front in a process of its own "
+                         "(as `serve --engine-process`)")
+    ap.add_argument("--min-new-token", type=int, default=0,
+                    help="with --http: the server's min_new_token (--tokens: every request as long; the in-process "
+                         "levels always are)")
     args = ap.parse_args()
     chat = load_chat(StreamBenchConfig(size=args.size), max(args.streams) * 4)
     chat.engine.engine.scheduler.max_window_tokens = args.max_window_tokens
@@ -357,8 +410,9 @@ def main() -> None:
         warm_up(chat)
     level(chat, log, 2, 1, 64)  # warm-up
     if args.http:
-        url = start_server(chat, ServerConfig(max_concurrent=max(args.streams), max_queue=4 * max(args.streams),
-                                              max_new_token=args.tokens))
+        config = ServerConfig(max_concurrent=max(args.streams), max_queue=4 * max(args.streams),
+                              max_new_token=args.tokens, min_new_token=args.min_new_token)
+        url = (start_split_server if args.split else start_server)(chat, config)
     rows = []
     for interval in args.round_interval or [chat._velocity.pump.round_interval_s]:
         chat._velocity.pump.round_interval_s = interval

@@ -93,7 +93,7 @@ def serve_split(load: dict, config: ServerConfig, host: str = "127.0.0.1", port:
     engine process. Returns the exit code."""
     from .split import EngineProcess
 
-    engine = EngineProcess(load, config, warmup=warmup, log_level=log_level, threads=threads)
+    engine = EngineProcess.start(load, config, warmup=warmup, log_level=log_level, threads=threads)
     try:
         info = engine.wait_ready()
         app = build_app(engine, config)

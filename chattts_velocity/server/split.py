@@ -278,16 +278,10 @@ class EngineProcess:
     remote = True
     """Tells ``build_app`` that this is not a ``Chat``."""
 
-    def __init__(self, load: dict, config: ServerConfig, warmup: bool | None = None, log_level: str = "info",
-                 threads: int | None = None):
-        ctx = mp.get_context("spawn")  # not a fork of a process with threads (and torch)
-        cmd_in, self._cmd = ctx.Pipe(duplex=False)
-        self._events, events_out = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_engine_main, name="chattts-velocity-engine", daemon=True,
-                                   args=(load, config, warmup, log_level, threads, cmd_in, events_out))
-        self.process.start()
-        cmd_in.close()
-        events_out.close()
+    def __init__(self, cmd, events, process=None):
+        """A handle over the two pipe ends (``cmd`` to send on, ``events`` to read) of an engine served by
+        ``_Host`` (``start`` spawns one; a benchmark may host it itself), and its process if it is a child."""
+        self._cmd, self._events, self.process = cmd, events, process
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the dicts below
         self._audio: dict[str, RemoteAudio] = {}
@@ -299,13 +293,27 @@ class EngineProcess:
         self._closing = False
         self.info: dict = {}
 
+    @classmethod
+    def start(cls, load: dict, config: ServerConfig, warmup: bool | None = None, log_level: str = "info",
+              threads: int | None = None) -> EngineProcess:
+        """Spawn the engine process: it runs ``Chat().load(**load)`` (and ``warm_up``, by default on CUDA)."""
+        ctx = mp.get_context("spawn")  # not a fork of a process with threads (and torch)
+        cmd_in, cmd = ctx.Pipe(duplex=False)
+        events, events_out = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_engine_main, name="chattts-velocity-engine", daemon=True,
+                              args=(load, config, warmup, log_level, threads, cmd_in, events_out))
+        process.start()
+        cmd_in.close()
+        events_out.close()
+        return cls(cmd, events, process)
+
     # ---------------------------------------------------------------- lifetime
     def wait_ready(self, timeout: float = 1800.0) -> dict:
         """Block until the engine process loaded the model (and warmed up); raise ``RuntimeError`` if it died or
         took longer than ``timeout``."""
         deadline = time.monotonic() + timeout
         while not self._events.poll(0.5):
-            if not self.process.is_alive():
+            if self.process is not None and not self.process.is_alive():
                 raise RuntimeError(f"the engine process exited with {self.process.exitcode} while loading the model "
                                    "(its log is above)")
             if time.monotonic() > deadline:
@@ -326,10 +334,11 @@ class EngineProcess:
             self._send(("stop",))
         except EngineGoneError:
             pass
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
+        if self.process is not None:
+            self.process.join(timeout)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(5)
 
     # ---------------------------------------------------------------- requests and calls
     async def prepare(self, body: SpeechRequest) -> RemoteAudio:
@@ -420,8 +429,10 @@ class EngineProcess:
                 self._resolve(msg[1], msg[2])
             elif kind == "reply":
                 self._resolve(msg[1], (msg[2], msg[3]))
-        self.process.join(2)  # reaped, so its exit code is known
-        code = self.process.exitcode
+        code = None
+        if self.process is not None:
+            self.process.join(2)  # reaped, so its exit code is known
+            code = self.process.exitcode
         self.gone = "the engine process exited" + (f" with {code}" if code is not None else "")
         if not self._closing:
             logger.error("%s: failing every request in flight", self.gone)
