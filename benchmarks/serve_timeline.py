@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import threading
 import time
 
@@ -109,7 +110,6 @@ def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 
     over ``clients`` client processes started together) against the server that runs in this process on the
     instrumented engine."""
     import subprocess
-    import sys
     import tempfile
 
     reset(log)
@@ -397,10 +397,14 @@ def main() -> None:
     ap.add_argument("--split", action="store_true",
                     help="with --http: the engine served from this process, the HTTP front in a process of its own "
                          "(as `serve --engine-process`)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval of this process (the engine's; default: Python's 5 ms)")
     ap.add_argument("--min-new-token", type=int, default=0,
                     help="with --http: the server's min_new_token (--tokens: every request as long; the in-process "
                          "levels always are)")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     chat = load_chat(StreamBenchConfig(size=args.size), max(args.streams) * 4)
     chat.engine.engine.scheduler.max_window_tokens = args.max_window_tokens
     log = instrument(chat)
