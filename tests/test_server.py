@@ -260,6 +260,8 @@ def test_bench_serve_drives_the_server(server, tmp_path):
                                             json_path=None, streams_per_process=1))["rows"][0]
     assert split["client_processes"] == 3 and split["requests"] == 6 and split["failures"] == 0
     assert split["rtf_min"] > 0 and split["ttfa_p50_ms"] > 0
+    # each client's first request and its later one, apart (the first level had one request per client)
+    assert split["ttfa_p99_first_ms"] > 0 and split["ttfa_p99_later_ms"] > 0 and rows[0]["ttfa_p99_later_ms"] is None
 
 
 def test_bench_serve_says_how_a_request_failed(tmp_path):

@@ -80,35 +80,58 @@ async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
             "rtf": size / 2 / SAMPLE_RATE / wall, "audio_s": size / 2 / SAMPLE_RATE, "head": head, "wall": wall}
 
 
-async def _users(cfg: ServeBenchConfig, users: range) -> list[dict]:
-    """Each user (a client) makes ``requests_per_stream`` requests in a row; every result, in no order."""
+async def _users(cfg: ServeBenchConfig, users: range, barrier=None, cpu: list | None = None) -> list[dict]:
+    """Each user (a client) makes ``requests_per_stream`` requests in a row; every result, in no order.
+
+    Before the first timed request the client is built and one connection per user is opened (a ``GET /health``
+    each, at once), then ``barrier`` (if any) is waited for: the level times the server, not the client's own
+    start. Started cold after the barrier, each of 16 client processes built its client (an SSL context) and
+    connected its streams while the others did the same on the same cores; the first requests' time to the
+    response headers was 85-130 ms p50 at 64 streams against the server's 1-2 ms in its handler
+    (`benchmarks/serve_timeline.py --http`). ``cpu`` gets the CPU time from the start of the timed part on."""
     import httpx
 
     n = len(users)
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as client:
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        # a failed warm-up request is not fatal: the timed ones fail too and are counted
+        await asyncio.gather(*(client.get(cfg.url + "/health", headers=headers) for _ in users), return_exceptions=True)
+        if barrier is not None:
+            await asyncio.to_thread(barrier.wait)
+        if cpu is not None:
+            cpu.append(time.process_time())
 
         async def user(u: int) -> list[dict]:
-            return [await _one(client, cfg, u * cfg.requests_per_stream + k) for k in range(cfg.requests_per_stream)]
+            results = []
+            for k in range(cfg.requests_per_stream):
+                results.append({**await _one(client, cfg, u * cfg.requests_per_stream + k), "nth": k})
+            return results
 
         return [r for rs in await asyncio.gather(*(user(u) for u in users)) for r in rs]
 
 
 def _client_process(cfg: ServeBenchConfig, users: range, barrier, out) -> None:
-    """One client process of a level: waits for its siblings, runs its users, reports its results and CPU time."""
-    barrier.wait()
-    cpu = time.process_time()
-    results = asyncio.run(_users(cfg, users))
-    out.put((results, time.process_time() - cpu))
+    """One client process of a level: gets ready, waits for its siblings, runs its users, reports its results
+    and CPU time."""
+    cpu: list[float] = []
+    results = asyncio.run(_users(cfg, users, barrier, cpu))
+    out.put((results, time.process_time() - cpu[0]))
 
 
 def _level(cfg: ServeBenchConfig, n: int) -> dict:
     """One level: ``n`` concurrent clients, in one process (this one) or split over several."""
     procs = -(-n // cfg.streams_per_process)
     if procs == 1:
-        start, cpu = time.perf_counter(), time.process_time()
-        results = asyncio.run(_users(cfg, range(n)))
-        return _summary(n, results, time.perf_counter() - start, [time.process_time() - cpu])
+        start = []
+
+        class _Start:  # the timed part starts once the connections are open
+            def wait(self) -> None:
+                start.append(time.perf_counter())
+
+        cpu: list[float] = []
+        results = asyncio.run(_users(cfg, range(n), _Start(), cpu))
+        return _summary(n, results, time.perf_counter() - start[0], [time.process_time() - cpu[0]])
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (and torch)
@@ -160,6 +183,10 @@ def _summary(n: int, results: list[dict], wall: float, cpu: list[float]) -> dict
                 statuses=sorted({str(r["status"]) for r in results}),
                 errors=[r["error"] for r in results if "error" in r][:5],
                 ttfa_p50_ms=pct([r["ttfa"] for r in ok], 50), ttfa_p99_ms=pct([r["ttfa"] for r in ok], 99),
+                # the clients' first requests (all sent at once) against the later ones (each sent as its
+                # client's previous request ends)
+                ttfa_p99_first_ms=pct(first, 99) if (first := [r["ttfa"] for r in ok if r["nth"] == 0]) else None,
+                ttfa_p99_later_ms=pct(later, 99) if (later := [r["ttfa"] for r in ok if r["nth"] > 0]) else None,
                 headers_p50_ms=pct([r["head"] for r in ok], 50), headers_p99_ms=pct([r["head"] for r in ok], 99),
                 request_p50_ms=pct([r["wall"] for r in ok], 50),
                 gap_p99_ms=pct([r["gap_max"] for r in ok], 99),
