@@ -70,3 +70,52 @@ def test_a_dead_engine_process_fails_requests_with_503_and_the_front_exits_clean
     assert httpx.get(server.url + "/metrics", timeout=10).status_code == 503
     server.terminate()
     assert server.proc.wait(30) == 0
+
+
+class _Owner:
+    """Stands in for ``EngineProcess`` under a ``RemoteAudio``: records the cancels it would send."""
+
+    def __init__(self):
+        self.cancelled = []
+
+    def _cancel(self, rid):
+        self.cancelled.append(rid)
+
+
+def test_remote_audio_reads_like_joined_audio():
+    import threading
+
+    import numpy as np
+
+    from chattts_velocity.audio.pump import PENDING, take_ready
+    from chattts_velocity.server.split import RemoteAudio
+
+    owner = _Owner()
+    blocking = RemoteAudio(owner, "a")  # no on_ready: next waits for the reader thread's chunk
+    threading.Timer(0.05, blocking._put, (np.ones(3, np.float32), None)).start()
+    assert next(blocking).tolist() == [1, 1, 1]
+    blocking._put(None, "")
+    with pytest.raises(StopIteration):
+        next(blocking)
+    blocking.cancel()  # over: nothing to cancel
+    assert owner.cancelled == []
+
+    woken = []
+    audio = RemoteAudio(owner, "b")
+    audio.on_ready(lambda: woken.append(1))
+    assert next(audio) is PENDING
+    audio._put(np.zeros(2, np.float32), None)
+    audio._put(np.ones(2, np.float32), None)
+    audio._put(None, "the engine process exited")
+    assert len(woken) == 3
+    chunk, end, failure = take_ready(audio)  # the chunks first, then the failure
+    assert chunk.tolist() == [0, 0, 1, 1] and end and isinstance(failure, RuntimeError)
+    assert str(failure) == "the engine process exited"
+
+    left = RemoteAudio(owner, "c")
+    left.cancel()
+    left.cancel()
+    assert owner.cancelled == ["c"]  # once, and nothing arrives after it
+    left._put(np.ones(1, np.float32), None)
+    with pytest.raises(StopIteration):
+        next(left)

@@ -96,7 +96,11 @@ class _Host:
             kind = msg[0]
             if kind == "submit":
                 _, rid, fields = msg
-                body = SpeechRequest.model_validate(fields)
+                try:
+                    body = SpeechRequest.model_validate(fields)  # validated by the front already
+                except Exception as e:  # noqa: BLE001 - reported to the front as a 500, the loop goes on
+                    self.send(("ack", rid, ("internal", f"{type(e).__name__}: {e}")))
+                    continue
                 if body.refines:  # the refine pass waits for the engine: not on this thread
                     threading.Thread(target=self._prepare, args=(rid, body), daemon=True).start()
                 else:
@@ -117,15 +121,17 @@ class _Host:
 
         try:
             audio = prepare_speech(self.chat, self.voices, self.config, body)
-        except UnknownVoiceError as e:
-            self.send(("ack", rid, ("voice", str(e))))
-            return
-        except ValueError as e:
-            self.send(("ack", rid, ("input", str(e))))
-            return
-        except Exception as e:  # noqa: BLE001 - reported to the front as a 500
-            logger.exception("preparing request %s failed", rid)
-            self.send(("ack", rid, ("internal", f"{type(e).__name__}: {e}")))
+        except Exception as e:  # noqa: BLE001 - reported to the front: a 404, a 400, else a 500
+            if isinstance(e, UnknownVoiceError):
+                error = ("voice", str(e))
+            elif isinstance(e, ValueError):
+                error = ("input", str(e))
+            else:
+                logger.exception("preparing request %s failed", rid)
+                error = ("internal", f"{type(e).__name__}: {e}")
+            with self._cond:
+                self._cancelled.discard(rid)
+            self.send(("ack", rid, error))
             return
         audio.on_ready(lambda: self._mark(rid))
         with self._cond:
