@@ -68,6 +68,8 @@ def test_a_dead_engine_process_fails_requests_with_503_and_the_front_exits_clean
     late = httpx.post(server.url + "/v1/audio/speech", json=body(), headers=AUTH, timeout=10)
     assert late.status_code == 503 and "engine process" in late.json()["error"]["message"]
     assert httpx.get(server.url + "/metrics", timeout=10).status_code == 503
+    voices = httpx.get(server.url + "/v1/audio/voices", headers=AUTH, timeout=10)
+    assert voices.status_code == 503 and "engine process" in voices.json()["error"]["message"]
     server.terminate()
     assert server.proc.wait(30) == 0
 
@@ -119,3 +121,12 @@ def test_remote_audio_reads_like_joined_audio():
     left._put(np.ones(1, np.float32), None)
     with pytest.raises(StopIteration):
         next(left)
+
+
+def test_engine_process_and_replicas_do_not_combine(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "serve", "--model", str(tmp_path),
+                          "--engine-process", "--replicas", "2"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "--engine-process" in run.stderr and "Traceback" not in run.stderr
