@@ -332,14 +332,14 @@ def start_server(chat, config) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def _front(cmd, events, config, port: int) -> None:
+def _front(cmd, events, audio, config, port: int) -> None:
     """The HTTP front of ``start_split_server``, in a process of its own."""
     import uvicorn
 
     from chattts_velocity.server.app import build_app
     from chattts_velocity.server.split import EngineProcess
 
-    handle = EngineProcess(cmd, events)
+    handle = EngineProcess(cmd, events, audio)
     handle.wait_ready()
     uvicorn.run(build_app(handle, config), host="127.0.0.1", port=port, log_level="warning",
                 timeout_keep_alive=config.keep_alive_s)
@@ -359,11 +359,12 @@ def start_split_server(chat, config) -> str:
     ctx = mp.get_context("spawn")
     cmd_in, cmd = ctx.Pipe(duplex=False)
     events, events_out = ctx.Pipe(duplex=False)
+    audio, audio_out = ctx.Pipe(duplex=False)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx.Process(target=_front, args=(cmd, events, config, port), daemon=True).start()
-    host = _Host(chat, config, events_out)
+    ctx.Process(target=_front, args=(cmd, events, audio, config, port), daemon=True).start()
+    host = _Host(chat, config, events_out, audio_out)
     host.send(("ready", {"device": str(chat.device)}))
     threading.Thread(target=host.serve, args=(cmd_in,), name="host", daemon=True).start()
     url = f"http://127.0.0.1:{port}"

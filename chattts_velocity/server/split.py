@@ -1,7 +1,9 @@
 """The engine in a process of its own (``serve --engine-process``): this process answers HTTP (FastAPI, uvicorn,
 the audio encoders); a child process loads the model and runs the engine thread and the audio pump; they talk
-over two pipes. Requests, cancels and calls (voices, stats, health) go down; acknowledgements, replies and each
-request's audio chunks come back, every chunk a round made ready in one message.
+over three pipes. Requests, cancels and calls (voices, stats, health) go down one; acknowledgements and replies
+come back on another, and the requests' audio chunks on a third (every chunk a round made ready in one
+message), so that an acknowledgement, which the response's headers wait for, never queues behind a round's
+audio.
 
 Why: a Python process runs one thread at a time (the GIL). In one process the event loop's HTTP and encoding
 work and the engine thread's steps and audio rounds take turns: at 256 streams on an H100 the server process
@@ -43,7 +45,7 @@ class EngineGoneError(RuntimeError):
 
 # ============================================================================ the engine process
 def _engine_main(load: dict, config: ServerConfig, warmup: bool | None, log_level: str, threads: int | None,
-                 cmd, events) -> None:
+                 cmd, events, audio) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front owns the lifetime (a Ctrl-C reaches the group)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s [engine process] %(name)s: %(message)s")
@@ -59,7 +61,7 @@ def _engine_main(load: dict, config: ServerConfig, warmup: bool | None, log_leve
     if warmup if warmup is not None else chat.device.type == "cuda":
         warm_up(chat)
     chat._velocity.pump.round_interval_s = config.audio_round_ms / 1000
-    host = _Host(chat, config, events)
+    host = _Host(chat, config, events, audio)
     host.send(("ready", {"device": str(chat.device)}))
     try:
         host.serve(cmd)
@@ -70,12 +72,13 @@ def _engine_main(load: dict, config: ServerConfig, warmup: bool | None, log_leve
 class _Host:
     """The engine process's side: prepares requests, ships their audio, answers calls."""
 
-    def __init__(self, chat, config: ServerConfig, events):
+    def __init__(self, chat, config: ServerConfig, events, audio):
         from .voices import VoiceRegistry
 
         self.chat, self.config = chat, config
         self.voices = VoiceRegistry(chat, config.voices_dir)
         self._events, self._send_lock = events, threading.Lock()
+        self._audio_out = audio  # the shipper's alone: acks never wait behind a round's audio
         self._cond = threading.Condition()  # guards the three below
         self._audio: dict[str, object] = {}  # request id -> its JoinedAudio
         self._due: dict[str, None] = {}  # requests with news for the shipper, in order
@@ -182,7 +185,7 @@ class _Host:
                     audio.cancel()
             if items:
                 try:
-                    self.send(("audio", items))
+                    self._audio_out.send(items)
                 except (OSError, EOFError):  # the front is gone: ``serve`` ends on its closed pipe
                     return
 
@@ -284,10 +287,11 @@ class EngineProcess:
     remote = True
     """Tells ``build_app`` that this is not a ``Chat``."""
 
-    def __init__(self, cmd, events, process=None):
-        """A handle over the two pipe ends (``cmd`` to send on, ``events`` to read) of an engine served by
-        ``_Host`` (``start`` spawns one; a benchmark may host it itself), and its process if it is a child."""
-        self._cmd, self._events, self.process = cmd, events, process
+    def __init__(self, cmd, events, audio, process=None):
+        """A handle over the pipe ends (``cmd`` to send on, ``events`` and ``audio`` to read) of an engine
+        served by ``_Host`` (``start`` spawns one; a benchmark may host it itself), and its process if it is a
+        child."""
+        self._cmd, self._events, self._audio_in, self.process = cmd, events, audio, process
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the dicts below
         self._audio: dict[str, RemoteAudio] = {}
@@ -306,12 +310,13 @@ class EngineProcess:
         ctx = mp.get_context("spawn")  # not a fork of a process with threads (and torch)
         cmd_in, cmd = ctx.Pipe(duplex=False)
         events, events_out = ctx.Pipe(duplex=False)
+        audio, audio_out = ctx.Pipe(duplex=False)
         process = ctx.Process(target=_engine_main, name="chattts-velocity-engine", daemon=True,
-                              args=(load, config, warmup, log_level, threads, cmd_in, events_out))
+                              args=(load, config, warmup, log_level, threads, cmd_in, events_out, audio_out))
         process.start()
-        cmd_in.close()
-        events_out.close()
-        return cls(cmd, events, process)
+        for end in (cmd_in, events_out, audio_out):
+            end.close()
+        return cls(cmd, events, audio, process)
 
     # ---------------------------------------------------------------- lifetime
     def wait_ready(self, timeout: float = 1800.0) -> dict:
@@ -330,7 +335,8 @@ class EngineProcess:
         except EOFError:
             raise RuntimeError("the engine process exited while loading the model (its log is above)") from None
         assert kind == "ready", kind
-        threading.Thread(target=self._read, name="chattts-velocity-engine-reader", daemon=True).start()
+        threading.Thread(target=self._read, name="chattts-velocity-engine-events", daemon=True).start()
+        threading.Thread(target=self._read_audio, name="chattts-velocity-engine-audio", daemon=True).start()
         return self.info
 
     def close(self, timeout: float = 30.0) -> None:
@@ -414,37 +420,51 @@ class EngineProcess:
         except (OSError, ValueError) as e:  # a broken pipe, or closed
             raise EngineGoneError(f"the engine process is not running ({e})") from None
 
-    # ---------------------------------------------------------------- the reader thread
+    # ---------------------------------------------------------------- the reader threads
     def _read(self) -> None:
+        """Acknowledgements and replies."""
         while True:
             try:
                 msg = self._events.recv()
             except (EOFError, OSError):
                 break
-            kind = msg[0]
-            if kind == "audio":
-                with self._lock:
-                    targets = [(self._audio.get(rid), chunk, failure) for rid, chunk, failure in msg[1]]
-                    for rid, chunk, _ in msg[1]:
-                        if chunk is None:
-                            self._audio.pop(rid, None)
-                for audio, chunk, failure in targets:
-                    if audio is not None:
-                        audio._put(chunk, failure)
-            elif kind == "ack":
+            if msg[0] == "ack":
                 self._resolve(msg[1], msg[2])
-            elif kind == "reply":
+            elif msg[0] == "reply":
                 self._resolve(msg[1], (msg[2], msg[3]))
+        self._lost()
+
+    def _read_audio(self) -> None:
+        """Every round's chunks: (request id, chunk or None at its end, why it failed) each."""
+        while True:
+            try:
+                items = self._audio_in.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                targets = [(self._audio.get(rid), chunk, failure) for rid, chunk, failure in items]
+                for rid, chunk, _ in items:
+                    if chunk is None:
+                        self._audio.pop(rid, None)
+            for audio, chunk, failure in targets:
+                if audio is not None:
+                    audio._put(chunk, failure)
+        self._lost()
+
+    def _lost(self) -> None:
+        """A pipe from the engine process closed: it exited. Fail everything in flight (once)."""
         code = None
         if self.process is not None:
             self.process.join(2)  # reaped, so its exit code is known
             code = self.process.exitcode
-        self.gone = "the engine process exited" + (f" with {code}" if code is not None else "")
-        if not self._closing:
-            logger.error("%s: failing every request in flight", self.gone)
         with self._lock:
+            if self.gone is not None:
+                return
+            self.gone = "the engine process exited" + (f" with {code}" if code is not None else "")
             audios, self._audio = list(self._audio.values()), {}
             waiting, self._waiting = list(self._waiting.values()), {}
+        if not self._closing:
+            logger.error("%s: failing every request in flight", self.gone)
         for audio in audios:
             audio._put(None, self.gone)
         for loop, future in waiting:
