@@ -335,8 +335,9 @@ class EngineProcess:
         except EOFError:
             raise RuntimeError("the engine process exited while loading the model (its log is above)") from None
         assert kind == "ready", kind
-        threading.Thread(target=self._read, name="chattts-velocity-engine-events", daemon=True).start()
-        threading.Thread(target=self._read_audio, name="chattts-velocity-engine-audio", daemon=True).start()
+        for name, conn, handle in (("events", self._events, self._on_event), ("audio", self._audio_in, self._on_audio)):
+            threading.Thread(target=self._read, args=(conn, handle), name=f"chattts-velocity-engine-{name}",
+                             daemon=True).start()
         return self.info
 
     def close(self, timeout: float = 30.0) -> None:
@@ -421,35 +422,33 @@ class EngineProcess:
             raise EngineGoneError(f"the engine process is not running ({e})") from None
 
     # ---------------------------------------------------------------- the reader threads
-    def _read(self) -> None:
-        """Acknowledgements and replies."""
+    def _read(self, conn, handle) -> None:
+        """Hand every message of ``conn`` to ``handle`` until the engine process closes it."""
         while True:
             try:
-                msg = self._events.recv()
+                msg = conn.recv()
             except (EOFError, OSError):
                 break
-            if msg[0] == "ack":
-                self._resolve(msg[1], msg[2])
-            elif msg[0] == "reply":
-                self._resolve(msg[1], (msg[2], msg[3]))
+            handle(msg)
         self._lost()
 
-    def _read_audio(self) -> None:
-        """Every round's chunks: (request id, chunk or None at its end, why it failed) each."""
-        while True:
-            try:
-                items = self._audio_in.recv()
-            except (EOFError, OSError):
-                break
-            with self._lock:
-                targets = [(self._audio.get(rid), chunk, failure) for rid, chunk, failure in items]
-                for rid, chunk, _ in items:
-                    if chunk is None:
-                        self._audio.pop(rid, None)
-            for audio, chunk, failure in targets:
-                if audio is not None:
-                    audio._put(chunk, failure)
-        self._lost()
+    def _on_event(self, msg) -> None:
+        """An acknowledgement or a reply."""
+        if msg[0] == "ack":
+            self._resolve(msg[1], msg[2])
+        elif msg[0] == "reply":
+            self._resolve(msg[1], (msg[2], msg[3]))
+
+    def _on_audio(self, items) -> None:
+        """A round's chunks: (request id, chunk or None at its end, why it failed) each."""
+        with self._lock:
+            targets = [(self._audio.get(rid), chunk, failure) for rid, chunk, failure in items]
+            for rid, chunk, _ in items:
+                if chunk is None:
+                    self._audio.pop(rid, None)
+        for audio, chunk, failure in targets:
+            if audio is not None:
+                audio._put(chunk, failure)
 
     def _lost(self) -> None:
         """A pipe from the engine process closed: it exited. Fail everything in flight (once)."""
