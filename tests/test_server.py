@@ -164,6 +164,13 @@ def test_models_health_and_metrics(server):
     for name in ("chattts_requests_total", "chattts_time_to_first_audio_seconds_bucket", "chattts_real_time_factor",
                  "chattts_queue_depth", "chattts_preemptions", "chattts_gc_pause_seconds_bucket"):
         assert name in text, name
+    # every speech request that got audio was prepared first, and the preparation was timed (in both modes)
+    r = httpx.post(server.url + "/v1/audio/speech", headers=AUTH, timeout=60,
+                   json={"model": "tts-1", "voice": "alloy", "input": "hi there", "response_format": "pcm"})
+    assert r.status_code == 200 and r.content
+    prepared = metric(server.url, "chattts_prepare_seconds_count")
+    assert prepared >= metric(server.url, "chattts_time_to_first_audio_seconds_count") > 0
+    assert metric(server.url, "chattts_prepare_seconds_sum") > 0
 
 
 def test_metrics_time_the_garbage_collections(server, client):

@@ -211,6 +211,7 @@ async def _speech(state: _State, body: SpeechRequest, request: Request) -> Respo
     except QueueFullError as e:
         state.metrics.count(path, 429)
         return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(config.retry_after_s)})
+    started = time.monotonic()
     try:
         if state.remote is not None:  # prepared in the engine process
             audio = await state.remote.prepare(body)
@@ -234,6 +235,7 @@ async def _speech(state: _State, body: SpeechRequest, request: Request) -> Respo
     except BaseException:
         ticket.cancel()
         raise
+    state.metrics.prepare.observe(time.monotonic() - started)
     state.metrics.count(path, 200)
     if body.stream_format == "sse":
         return _Admitted(_sse(state, body, audio, ticket), ticket, media_type="text/event-stream")

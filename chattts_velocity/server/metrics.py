@@ -14,6 +14,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _TTFA_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2, 5, 10)
 _RTF_BUCKETS = (0.5, 1, 2, 4, 8, 16, 32, 64)
+_PREPARE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 _GC_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2)
 
 
@@ -33,6 +34,9 @@ class Metrics:
         self.tokens = Gauge("chattts_generated_tokens", "audio and text tokens generated so far", registry=r)
         self.ttfa = Histogram("chattts_time_to_first_audio_seconds", "request start to first audio", registry=r,
                               buckets=_TTFA_BUCKETS)
+        self.prepare = Histogram("chattts_prepare_seconds", "a speech request's preparation (text, voice, "
+                                 "validation; with --engine-process the round trip to the engine process, which the "
+                                 "response headers wait for)", registry=r, buckets=_PREPARE_BUCKETS)
         self.rtf = Histogram("chattts_real_time_factor", "seconds of audio per second of wall time", registry=r,
                              buckets=_RTF_BUCKETS)
         self.gc_pause = Histogram("chattts_gc_pause_seconds", "Python garbage collections (the process stands "
