@@ -80,15 +80,14 @@ async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
             "rtf": size / 2 / SAMPLE_RATE / wall, "audio_s": size / 2 / SAMPLE_RATE, "head": head, "wall": wall}
 
 
-async def _users(cfg: ServeBenchConfig, users: range, barrier=None, cpu: list | None = None) -> list[dict]:
-    """Each user (a client) makes ``requests_per_stream`` requests in a row; every result, in no order.
+async def _users(cfg: ServeBenchConfig, users: range, barrier=None) -> tuple[list[dict], float, float]:
+    """Each user (a client) makes ``requests_per_stream`` requests in a row: every result (in no order), and the
+    ``perf_counter`` and ``process_time`` when the timed part began.
 
-    Before the first timed request the client is built and one connection per user is opened (a ``GET /health``
-    each, at once), then ``barrier`` (if any) is waited for: the level times the server, not the client's own
-    start. Started cold after the barrier, each of 16 client processes built its client (an SSL context) and
-    connected its streams while the others did the same on the same cores; the first requests' time to the
-    response headers was 85-130 ms p50 at 64 streams against the server's 1-2 ms in its handler
-    (`benchmarks/serve_timeline.py --http`). ``cpu`` gets the CPU time from the start of the timed part on."""
+    Before it the client is built and one connection per user opened (a ``GET /health`` each, at once), then
+    ``barrier`` (if any) is waited for, so a level times the server and not the clients' own start: 16 client
+    processes started together each build an HTTP client (an SSL context) and connect their streams on the
+    cores the server uses."""
     import httpx
 
     n = len(users)
@@ -99,8 +98,7 @@ async def _users(cfg: ServeBenchConfig, users: range, barrier=None, cpu: list | 
         await asyncio.gather(*(client.get(cfg.url + "/health", headers=headers) for _ in users), return_exceptions=True)
         if barrier is not None:
             await asyncio.to_thread(barrier.wait)
-        if cpu is not None:
-            cpu.append(time.process_time())
+        start, cpu = time.perf_counter(), time.process_time()
 
         async def user(u: int) -> list[dict]:
             results = []
@@ -108,30 +106,22 @@ async def _users(cfg: ServeBenchConfig, users: range, barrier=None, cpu: list | 
                 results.append({**await _one(client, cfg, u * cfg.requests_per_stream + k), "nth": k})
             return results
 
-        return [r for rs in await asyncio.gather(*(user(u) for u in users)) for r in rs]
+        return [r for rs in await asyncio.gather(*(user(u) for u in users)) for r in rs], start, cpu
 
 
 def _client_process(cfg: ServeBenchConfig, users: range, barrier, out) -> None:
     """One client process of a level: gets ready, waits for its siblings, runs its users, reports its results
     and CPU time."""
-    cpu: list[float] = []
-    results = asyncio.run(_users(cfg, users, barrier, cpu))
-    out.put((results, time.process_time() - cpu[0]))
+    results, _, cpu = asyncio.run(_users(cfg, users, barrier))
+    out.put((results, time.process_time() - cpu))
 
 
 def _level(cfg: ServeBenchConfig, n: int) -> dict:
     """One level: ``n`` concurrent clients, in one process (this one) or split over several."""
     procs = -(-n // cfg.streams_per_process)
     if procs == 1:
-        start = []
-
-        class _Start:  # the timed part starts once the connections are open
-            def wait(self) -> None:
-                start.append(time.perf_counter())
-
-        cpu: list[float] = []
-        results = asyncio.run(_users(cfg, range(n), _Start(), cpu))
-        return _summary(n, results, time.perf_counter() - start[0], [time.process_time() - cpu[0]])
+        results, start, cpu = asyncio.run(_users(cfg, range(n)))
+        return _summary(n, results, time.perf_counter() - start, [time.process_time() - cpu])
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (and torch)

@@ -35,7 +35,7 @@ from .audio_format import CONTENT_TYPES, StreamEncoder
 from .config import ServerConfig
 from .metrics import Metrics
 from .schema import OPENAI_MODELS, SpeechRequest, error
-from .split import EngineGoneError
+from .split import EngineGoneError, EngineProcess
 from .voices import UnknownVoiceError, VoiceRegistry, read_sample
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def _trim() -> None:
 class _State:
     def __init__(self, chat, config: ServerConfig, cluster=None):
         self.config = config
-        self.remote = chat if getattr(chat, "remote", False) else None
+        self.remote = chat if isinstance(chat, EngineProcess) else None
         """The engine process (``split.EngineProcess``) when the engine runs apart; then ``chat`` and
         ``voices`` are None (they live there)."""
         self.chat = None if self.remote else chat
@@ -222,10 +222,6 @@ async def _speech(state: _State, body: SpeechRequest, request: Request) -> Respo
             # box), while a hop to a worker thread under load waits for the GIL, and each of up to 40 busy
             # worker threads makes the engine thread wait for it after every torch call
             audio = _prepare(state, body)
-    except EngineGoneError as e:
-        ticket.cancel()
-        state.metrics.count(path, 503)
-        return error(503, str(e), "server_error")
     except (UnknownVoiceError, ValueError) as e:
         ticket.cancel()
         status = 404 if isinstance(e, UnknownVoiceError) else 400

@@ -1,6 +1,6 @@
 """The engine in a process of its own (``serve --engine-process``): this process answers HTTP (FastAPI, uvicorn,
 the audio encoders); a child process loads the model and runs the engine thread and the audio pump; they talk
-over three pipes. Requests, cancels and calls (voices, stats, health) go down one; acknowledgements and replies
+over three pipes. Requests, cancels and calls (voices, stats) go down one; acknowledgements and replies
 come back on another, and the requests' audio chunks on a third (every chunk a round made ready in one
 message), so that an acknowledgement, which the response's headers wait for, never queues behind a round's
 audio.
@@ -34,7 +34,7 @@ import numpy as np
 from ..audio.pump import PENDING, take_ready
 from .config import ServerConfig
 from .schema import SpeechRequest
-from .voices import UnknownVoiceError
+from .voices import UnknownVoiceError, VoiceRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,6 @@ class _Host:
     """The engine process's side: prepares requests, ships their audio, answers calls."""
 
     def __init__(self, chat, config: ServerConfig, events, audio):
-        from .voices import VoiceRegistry
-
         self.chat, self.config = chat, config
         self.voices = VoiceRegistry(chat, config.voices_dir)
         self._events, self._send_lock = events, threading.Lock()
@@ -82,7 +80,7 @@ class _Host:
         self._cond = threading.Condition()  # guards the three below
         self._audio: dict[str, object] = {}  # request id -> its JoinedAudio
         self._due: dict[str, None] = {}  # requests with news for the shipper, in order
-        self._cancelled: set[str] = set()  # cancelled while being prepared
+        self._preparing: dict[str, bool] = {}  # request id -> cancelled while being prepared
         threading.Thread(target=self._ship, name="chattts-velocity-ship", daemon=True).start()
 
     def send(self, msg) -> None:
@@ -104,6 +102,8 @@ class _Host:
                 except Exception as e:  # noqa: BLE001 - reported to the front as a 500, the loop goes on
                     self.send(("ack", rid, ("internal", f"{type(e).__name__}: {e}")))
                     continue
+                with self._cond:
+                    self._preparing[rid] = False
                 if body.refines:  # the refine pass waits for the engine: not on this thread
                     threading.Thread(target=self._prepare, args=(rid, body), daemon=True).start()
                 else:
@@ -133,13 +133,12 @@ class _Host:
                 logger.exception("preparing request %s failed", rid)
                 error = ("internal", f"{type(e).__name__}: {e}")
             with self._cond:
-                self._cancelled.discard(rid)
+                del self._preparing[rid]
             self.send(("ack", rid, error))
             return
         audio.on_ready(lambda: self._mark(rid))
         with self._cond:
-            cancelled = rid in self._cancelled
-            self._cancelled.discard(rid)
+            cancelled = self._preparing.pop(rid)
             if not cancelled:
                 self._audio[rid] = audio
         if cancelled:
@@ -156,8 +155,9 @@ class _Host:
     def _cancel(self, rid: str) -> None:
         with self._cond:
             audio = self._audio.pop(rid, None)
-            if audio is None:
-                self._cancelled.add(rid)  # not prepared yet (or already over: then this is never read)
+            if audio is None:  # being prepared (``_prepare`` drops it then), or already over
+                if rid in self._preparing:
+                    self._preparing[rid] = True
                 return
         audio.cancel()  # thread-safe, even while the shipper is inside its ``next``
 
@@ -199,9 +199,6 @@ class _Host:
                 value = (voice.id, voice.name)
             elif name == "stats":
                 value = self.chat.engine.stats().engine
-            elif name == "health":
-                self.chat.engine.check_health()
-                value = None
             else:
                 raise ValueError(f"unknown call {name!r}")
             reply = ("reply", cid, None, value)
@@ -283,9 +280,6 @@ class EngineProcess:
     """The front's handle on the engine process: start it (``wait_ready``), prepare requests (``prepare``),
     make calls (``call``), read its stats (``stats``, as ``AsyncLLMEngine.stats`` for ``Metrics``), stop it
     (``close``)."""
-
-    remote = True
-    """Tells ``build_app`` that this is not a ``Chat``."""
 
     def __init__(self, cmd, events, audio, process=None):
         """A handle over the pipe ends (``cmd`` to send on, ``events`` and ``audio`` to read) of an engine
@@ -374,7 +368,7 @@ class EngineProcess:
         return audio
 
     async def call(self, name: str, *args):
-        """Run a call in the engine process (``voices``, ``register``, ``stats``, ``health``); its error is raised
+        """Run a call in the engine process (``voices``, ``register``, ``stats``); its error is raised
         again here (``ValueError`` as such, any other as ``RuntimeError``)."""
         cid = next(self._ids)
         error, value = await self._request(cid, ("call", cid, name, args))
