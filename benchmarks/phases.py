@@ -20,6 +20,10 @@ def main() -> None:
             print(os.path.basename(path), json.dumps(scalars))
             for name, v in row.get("request_phases", {}).items():
                 print(f"    {name}: {v['p50_s']} / {v['p90_s']} / {v['p99_s']}")
+            for wave, parts in row.get("http_phases", {}).items():
+                print(f"    {wave} requests (ms p50 / p90 / p99, n):")
+                for name, v in parts.items():
+                    print(f"        {name}: {v}")
             print("    step parts", row.get("step_parts_s"))
             print("    slowest other steps", row.get("slowest_other_steps (s, window, outputs, waiting, running, "
                                                        "prompt tokens)"))

@@ -119,9 +119,11 @@ def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 
     begin = time.monotonic()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         child, own = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
+        stamps = LOG_STAMPS
+        stamps.clear()
         subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "bench", "serve", "--url", url, "--streams",
                         str(streams), "--requests-per-stream", str(requests), "--streams-per-process",
-                        str(-(-streams // clients)), "--json", f.name], check=True, stdout=subprocess.DEVNULL)
+                        str(-(-streams // clients)), "--trace", "--json", f.name], check=True, stdout=subprocess.DEVNULL)
         child_after, own_after = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
         (row,) = json.load(open(f.name))["rows"]
     spans = log["steps"] + log["wakes"]  # the engine's busy span (the clients' start-up left out)
@@ -134,7 +136,35 @@ def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 
             "client_processes_cpu_s (start-up included)": round(
                 child_after.ru_utime + child_after.ru_stime - child.ru_utime - child.ru_stime, 2),
             "server_process_cpu_s": round(own_after.ru_utime + own_after.ru_stime - own.ru_utime - own.ru_stime, 2),
-            **engine_thread(log, wall), "request_phases": request_phases(chat, phases, begin, wall)}
+            **engine_thread(log, wall), "request_phases": request_phases(chat, phases, begin, wall),
+            "http_phases": http_phases(row["traced"], stamps)}
+
+
+def http_phases(requests: list[dict], stamps: dict) -> dict:
+    """Each request's way from the client's send to its first audio, client times (``bench serve --trace``)
+    joined with this server's (one process only; one clock: ``time.monotonic``), p50 / p90 / p99 ms, for the
+    clients' first requests and for their later ones."""
+    spans: dict[str, dict[str, list[float]]] = {}
+    for r in requests:
+        st = stamps.get(r["id"], {})
+        if not {"app", "handler_in", "handler_out", "start", "body"} <= st.keys():
+            continue
+        sent = r["sent"]
+        parts = {
+            "client send -> server app called": st["app"] - sent,
+            "app called -> handler entered (body read, validation)": st["handler_in"] - st["app"],
+            "handler": st["handler_out"] - st["handler_in"],
+            "handler out -> headers sent": st["start"] - st["handler_out"],
+            "headers sent -> client has headers": sent + r["head"] - st["start"],
+            "headers sent -> first audio sent": st["body"] - st["start"],
+            "first audio sent -> client has it": sent + r["ttfa"] - st["body"],
+            "client first audio": r["ttfa"],
+        }
+        wave = "first" if r["nth"] == 0 else "later"
+        for name, v in parts.items():
+            spans.setdefault(wave, {}).setdefault(name, []).append(v)
+    return {wave: {name: [round(1e3 * float(np.percentile(xs, q)), 1) for q in (50, 90, 99)] + [len(xs)]
+                   for name, xs in parts.items()} for wave, parts in spans.items()}
 
 
 def request_phases(chat, phases, begin: float, wall: float) -> dict:
@@ -263,6 +293,33 @@ def engine_thread(log, wall: float) -> dict:
 
 
 LOG_HTTP = {"handler": [], "prepare": [], "body": [], "first_chunk": [], "loop_lag": []}
+LOG_STAMPS: dict[str, dict[str, float]] = {}
+"""X-Request-Id -> when (``time.monotonic``) the app was called, the handler entered and left, the headers and
+the first audio were sent."""
+
+
+class StampApp:
+    """ASGI wrapper: notes when a request with an ``X-Request-Id`` reaches the app and when its headers and its
+    first body bytes are handed to the server."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        rid = dict(scope.get("headers") or []).get(b"x-request-id") if scope["type"] == "http" else None
+        if rid is None:
+            return await self.app(scope, receive, send)
+        st = LOG_STAMPS.setdefault(rid.decode(), {})
+        st["app"] = time.monotonic()
+
+        async def stamped(message):
+            if message["type"] == "http.response.start":
+                st["start"] = time.monotonic()
+            elif message["type"] == "http.response.body" and message.get("body") and "body" not in st:
+                st["body"] = time.monotonic()
+            await send(message)
+
+        return await self.app(scope, receive, stamped)
 LOG_ENGINE = {"steps": [], "wakes": [], "decodes": []}
 
 
@@ -311,17 +368,21 @@ def start_server(chat, config) -> str:
         if not monitor:
             monitor.append(asyncio.get_running_loop().create_task(lag_monitor()))
         t0 = time.monotonic()
+        rid = args[2].headers.get("x-request-id")
         try:
             return await speech(*args)
         finally:
-            phases["handler"].append((t0, time.monotonic()))
+            t1 = time.monotonic()
+            phases["handler"].append((t0, t1))
+            if rid is not None:
+                LOG_STAMPS.setdefault(rid, {}).update(handler_in=t0, handler_out=t1)
 
     server_app._prepare, server_app._produced, server_app._speech = timed_prepare, timed_produced, timed_speech
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(chat, config), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(StampApp(build_app(chat, config)), host="127.0.0.1", port=port,
                                            log_level="warning", timeout_keep_alive=config.keep_alive_s))
     threading.Thread(target=server.run, name="uvicorn", daemon=True).start()
     deadline = time.monotonic() + 60

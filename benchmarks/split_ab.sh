@@ -6,6 +6,8 @@
 # Variants: one (one process), split (--engine-process), one-fixed / split-fixed (also --min-new-token
 # $MAX_NEW: every request's audio as long, the random weights' early ends masked), or LABEL@ARGS: serve
 # arguments separated by commas (e.g. hold-off@--min-new-token,500,--first-audio-hold-ms,off). A variant may
+# ENV=NAME=VALUE arguments among ARGS set environment variables of that server only, e.g.
+# si1@ENV=CHATTTS_SWITCH_INTERVAL_MS=1 with benchmarks/switch_interval on PYTHONPATH. A variant may
 # come more than once (alternating runs): each run's results go under $OUT/<n>_<label>/, and a summary line per
 # level is printed.
 set -u
@@ -23,10 +25,15 @@ for v in ${VARIANTS:-one split}; do
         *@*) label=${v%%@*}; IFS=, read -r -a args <<< "${v#*@}" ;;
         *) echo "unknown variant $v"; exit 2 ;;
     esac
+    envs=() rest=()
+    for a in "${args[@]}"; do
+        case $a in ENV=*) envs+=("${a#ENV=}") ;; *) rest+=("$a") ;; esac
+    done
+    args=("${rest[@]}")
     n=$((n + 1))
     dir="$OUT/${n}_$label"
-    echo "=== $n $label: ${args[*]} $*"
-    OUT="$dir" PORT=$((8011 + RANDOM % 500)) bash "$(dirname "$0")/gpu_serve.sh" "${args[@]}" "$@" || rc=$?
+    echo "=== $n $label: ${envs[*]} ${args[*]} $*"
+    env "${envs[@]}" OUT="$dir" PORT=$((8011 + RANDOM % 500)) bash "$(dirname "$0")/gpu_serve.sh" "${args[@]}" "$@" || rc=$?
     python3 - "$dir/bench_serve.json" "$n $label" <<'PY' || true
 import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:

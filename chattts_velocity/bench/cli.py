@@ -26,7 +26,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_serve(ServeBenchConfig(
             url=args.url.rstrip("/"), streams=tuple(args.streams), requests_per_stream=args.requests_per_stream,
             api_key=args.api_key, json_path=args.json if args.json != "bench.json" else "bench_serve.json",
-            plot_path=args.plot, streams_per_process=args.streams_per_process,
+            plot_path=args.plot, streams_per_process=args.streams_per_process, trace=args.trace,
         ))
         return 0
     if args.mode == "stream":
@@ -64,6 +64,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--api-key", default=None, help="serve mode: the server's API key")
     b.add_argument("--streams-per-process", type=int, default=16,
                    help="serve mode: clients per client process; larger levels use several (default: 16)")
+    b.add_argument("--trace", action="store_true",
+                   help="serve mode: keep every request's times in the JSON and send each with an X-Request-Id")
     b.add_argument("--requests-per-stream", type=int, default=2,
                    help="serve mode: requests each client makes in a row (default: 2)")
     b.add_argument("--size", default="full", choices=SIZES, help="full (real shapes) or tiny random weights")

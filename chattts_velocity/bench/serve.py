@@ -10,6 +10,7 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -41,6 +42,10 @@ class ServeBenchConfig:
     client_split.sh`): the time to the response headers, p50, was 313 ms from 1 client process, 118 ms from 4
     and 86 ms from 16, while the server's handler took 17-64 ms, p50 (`benchmarks/serve_timeline.py --http`):
     the clients' own connection pool and event loop, not the server."""
+    trace: bool = False
+    """Keep every request's times in the level's row (``traced``: its ``time.monotonic`` when sent, then
+    seconds to the headers, to the first audio and to the end) and send each with an ``X-Request-Id``
+    (``bench-<random hex>``), so a server's own timestamps can be matched to them."""
 
     def __post_init__(self) -> None:
         if not self.streams or any(not isinstance(n, int) or n < 1 for n in self.streams):
@@ -61,7 +66,10 @@ CLIENT_BOUND = 0.8
 async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
     body = {"model": "tts-1", "voice": cfg.voice, "input": cfg.text, "response_format": "pcm", "seed": seed}
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    start, arrivals, size = time.perf_counter(), [], 0
+    rid = f"bench-{uuid.uuid4().hex[:16]}"
+    if cfg.trace:
+        headers["X-Request-Id"] = rid
+    sent, start, arrivals, size = time.monotonic(), time.perf_counter(), [], 0
     try:
         async with client.stream("POST", cfg.url + "/v1/audio/speech", json=body, headers=headers) as r:
             head = time.perf_counter() - start  # the status line and headers: the server has prepared the request
@@ -77,7 +85,8 @@ async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
     wall = time.perf_counter() - start
     gaps = np.diff(arrivals) if len(arrivals) > 1 else np.zeros(1)
     return {"ok": size > 0, "status": 200, "ttfa": arrivals[0] if arrivals else None, "gap_max": float(gaps.max()),
-            "rtf": size / 2 / SAMPLE_RATE / wall, "audio_s": size / 2 / SAMPLE_RATE, "head": head, "wall": wall}
+            "rtf": size / 2 / SAMPLE_RATE / wall, "audio_s": size / 2 / SAMPLE_RATE, "head": head, "wall": wall,
+            "id": rid, "sent": sent}
 
 
 async def _users(cfg: ServeBenchConfig, users: range, barrier=None) -> tuple[list[dict], float, float]:
@@ -121,7 +130,7 @@ def _level(cfg: ServeBenchConfig, n: int) -> dict:
     procs = -(-n // cfg.streams_per_process)
     if procs == 1:
         results, start, cpu = asyncio.run(_users(cfg, range(n)))
-        return _summary(n, results, time.perf_counter() - start, [time.process_time() - cpu])
+        return _summary(n, results, time.perf_counter() - start, [time.process_time() - cpu], cfg.trace)
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (and torch)
@@ -144,7 +153,7 @@ def _level(cfg: ServeBenchConfig, n: int) -> dict:
             w.join(10)
             if w.is_alive():
                 w.kill()
-    return _summary(n, [r for results, _ in parts for r in results], wall, [cpu for _, cpu in parts])
+    return _summary(n, [r for results, _ in parts for r in results], wall, [cpu for _, cpu in parts], cfg.trace)
 
 
 def _gather(out, workers, timeout_s: float) -> list:
@@ -166,8 +175,9 @@ def _gather(out, workers, timeout_s: float) -> list:
     return parts
 
 
-def _summary(n: int, results: list[dict], wall: float, cpu: list[float]) -> dict:
+def _summary(n: int, results: list[dict], wall: float, cpu: list[float], trace: bool = False) -> dict:
     ok = [r for r in results if r["ok"]]
+    traced = {"traced": [{k: r[k] for k in ("id", "nth", "sent", "head", "ttfa", "wall")} for r in ok]} if trace else {}
     pct = (lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan"))  # noqa: E731
     return dict(streams=n, requests=len(results), failures=len(results) - len(ok),
                 statuses=sorted({str(r["status"]) for r in results}),
@@ -189,7 +199,7 @@ def _summary(n: int, results: list[dict], wall: float, cpu: list[float]) -> dict
                 # audio than its time to first audio cannot be faster than real time
                 audio_s_min=min((r["audio_s"] for r in ok), default=float("nan")),
                 audio_s_p50=float(np.median([r["audio_s"] for r in ok])) if ok else float("nan"),
-                slowest_audio_s=min(ok, key=lambda r: r["rtf"])["audio_s"] if ok else float("nan"))
+                slowest_audio_s=min(ok, key=lambda r: r["rtf"])["audio_s"] if ok else float("nan"), **traced)
 
 
 def format_table(rows: list[dict]) -> str:
