@@ -295,11 +295,9 @@ class Chat:
 
     def _prepare_texts(self, text, split_text, lang, do_norm, do_homophone) -> list[str]:
         """``text`` (a str or a list of str) as the texts to synthesise (see ``text.prepare_texts``)."""
-        from .text import prepare_texts
+        from .text import model_texts
 
-        model = self._require().model
-        return prepare_texts(text, split_text, lang, lambda t: self.normalizer(t, do_norm, do_homophone, lang),
-                             model.tokenizer.count, model.config.max_position_embeddings // 2)
+        return model_texts(self._require().model, self.normalizer, text, split_text, lang, do_norm, do_homophone)
 
     def _refine(self, path, texts: list[str], params: RefineTextParams) -> list[str]:
         """Refined texts; ids from ``[break_0]`` on are dropped, as upstream does."""

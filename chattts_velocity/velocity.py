@@ -134,8 +134,12 @@ class VelocityPath:
         sentences): up to ``in_flight`` texts generate at once, the next one is submitted as one finishes, and
         each join is smoothed by a short fade out and in (no gap, no click). Every text is validated now, before
         the iterator is returned (``ValueError`` naming the text)."""
-        seqs = self.engine.make_sequences(self._code_prompts(texts, p), self._code_params(p))
-        return JoinedAudio(self, seqs, use_decoder, in_flight)
+        return self.joined(self._code_prompts(texts, p), self._code_params(p), use_decoder, in_flight)
+
+    def joined(self, prompts: list[Prompt], params: SamplingParams, use_decoder: bool = True,
+               in_flight: int = 4) -> JoinedAudio:
+        """``stream_joined`` of prompts already built (``code_prompts``), validated again here."""
+        return JoinedAudio(self, self.engine.make_sequences(prompts, params), use_decoder, in_flight)
 
     def _samples(self, stream: RequestStream, use_decoder: bool, notify=None) -> Iterator[np.ndarray]:
         """One request's audio as it is generated (each chunk decoded once, batched with other calls'). With
@@ -156,25 +160,10 @@ class VelocityPath:
         return sampling_params(p, Mode.CODE, self.model.config.num_vq)
 
     def _code_prompts(self, texts: list[str], p: InferCodeParams) -> list[Prompt]:
-        from .text import decode_prompt, decorate_code_prompts, speaker_vector
-
-        cfg = self.model.config
-        codes = None
-        if p.spk_smp is not None:
-            codes = decode_prompt(p.spk_smp, num_vq=cfg.num_vq, num_codes=cfg.num_audio_tokens)
-        spk = speaker_vector(p.spk_emb, cfg.hidden_size) if p.spk_emb is not None else None
-        return self._prompts(decorate_code_prompts(texts, p.prompt, p.txt_smp, p.spk_emb is not None), codes, spk)
+        return code_prompts(self.model.tokenizer, self.model.config, texts, p)
 
     def _prompts(self, decorated: list[str], codes, spk) -> list[Prompt]:
-        from .text import check_context
-
-        tok, num_vq = self.model.tokenizer, self.model.config.num_vq
-        prompts = []
-        for text in decorated:
-            ids, _, text_mask = tok.encode([text], num_vq, prompt=codes)
-            check_context(ids.shape[1], self.engine.max_model_len)
-            prompts.append(Prompt(ids[0], text_mask[0], spk))
-        return prompts
+        return tokenized_prompts(self.model.tokenizer, self.model.config, decorated, codes, spk)
 
     def _submit(self, prompts: list[Prompt], params: SamplingParams) -> RequestStream:
         return self._track(self.engine.add_requests(prompts, params))
@@ -198,6 +187,30 @@ class VelocityPath:
             bar.close()
             stream.close()
         return [Generated(final[rid].token_ids, final[rid].hidden_states) for rid in stream.request_ids]
+
+
+def code_prompts(tokenizer, cfg, texts: list[str], p: InferCodeParams) -> list[Prompt]:
+    """The audio-code prompts of ``texts`` under ``p`` (speaker, voice sample, prompt decorations) for a model
+    of config ``cfg``: needs only its tokenizer (a server's front prepares requests without the model)."""
+    from .text import decode_prompt, decorate_code_prompts, speaker_vector
+
+    codes = None
+    if p.spk_smp is not None:
+        codes = decode_prompt(p.spk_smp, num_vq=cfg.num_vq, num_codes=cfg.num_audio_tokens)
+    spk = speaker_vector(p.spk_emb, cfg.hidden_size) if p.spk_emb is not None else None
+    return tokenized_prompts(tokenizer, cfg, decorate_code_prompts(texts, p.prompt, p.txt_smp, p.spk_emb is not None),
+                             codes, spk)
+
+
+def tokenized_prompts(tokenizer, cfg, decorated: list[str], codes, spk) -> list[Prompt]:
+    from .text import check_context
+
+    prompts = []
+    for text in decorated:
+        ids, _, text_mask = tokenizer.encode([text], cfg.num_vq, prompt=codes)
+        check_context(ids.shape[1], cfg.max_position_embeddings)
+        prompts.append(Prompt(ids[0], text_mask[0], spk))
+    return prompts
 
 
 class JoinedAudio:

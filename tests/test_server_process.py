@@ -68,8 +68,13 @@ def test_a_dead_engine_process_fails_requests_with_503_and_the_front_exits_clean
     late = httpx.post(server.url + "/v1/audio/speech", json=body(), headers=AUTH, timeout=10)
     assert late.status_code == 503 and "engine process" in late.json()["error"]["message"]
     assert httpx.get(server.url + "/metrics", timeout=10).status_code == 503
+    refined = httpx.post(server.url + "/v1/audio/speech", json={**body(), "refine_text": True}, headers=AUTH, timeout=10)
+    assert refined.status_code == 503 and "engine process" in refined.json()["error"]["message"]
+    # the front prepares requests itself: it still knows the voices (and still refuses a bad request with its 4xx)
     voices = httpx.get(server.url + "/v1/audio/voices", headers=AUTH, timeout=10)
-    assert voices.status_code == 503 and "engine process" in voices.json()["error"]["message"]
+    assert voices.status_code == 200 and "alloy" in {v["id"] for v in voices.json()["voices"]}
+    unknown = httpx.post(server.url + "/v1/audio/speech", json={**body(), "voice": "nobody"}, headers=AUTH, timeout=10)
+    assert unknown.status_code == 404
     server.terminate()
     assert server.proc.wait(30) == 0
 

@@ -129,41 +129,10 @@ class LLMEngine:
 
     def validate_request(self, prompt: Prompt, params: SamplingParams) -> tuple[list[tuple[int, ...]], list[bool]]:
         """Raise ``ValueError`` saying what to fix if the request can never be served; else its tokens."""
-        cfg = self.model_config
-        params.validate(cfg.num_vq, cfg.num_text_tokens if params.mode is Mode.TEXT else cfg.num_audio_tokens)
-        tokens, is_text = self._check_prompt(prompt)
-        capacity = self.kv_capacity
-        if len(tokens) >= min(self.max_model_len, capacity):
-            limit = "the model's context" if self.max_model_len <= capacity else "the KV cache"
-            raise ValueError(
-                f"prompt of {len(tokens)} tokens leaves no room to generate: {limit} holds "
-                f"{min(self.max_model_len, capacity)} tokens; shorten the prompt"
-                + ("" if self.max_model_len <= capacity else " or give the engine more KV cache")
-            )
-        return tokens, is_text
+        return validate_request(self.model_config, self.kv_capacity, prompt, params)
 
     def _check_prompt(self, prompt: Prompt) -> tuple[list[tuple[int, ...]], list[bool]]:
-        cfg = self.model_config
-        ids, mask = prompt.ids, prompt.text_mask
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.size(1) != cfg.num_vq or ids.is_floating_point():
-            raise ValueError(f"prompt.ids must be an integer tensor [T, num_vq={cfg.num_vq}], got "
-                             f"{getattr(ids, 'shape', type(ids).__name__)}")
-        if ids.size(0) == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape[:1] or mask.dtype != torch.bool:
-            raise ValueError(f"prompt.text_mask must be a bool tensor [{ids.size(0)}], got "
-                             f"{getattr(mask, 'shape', type(mask).__name__)}")
-        # checked on Python lists: each torch call would let go of the GIL and wait to take it back, which a
-        # busy server's request threads pay dearly (see ``text.speaker._string_speaker``)
-        rows, is_text = ids.tolist(), mask.tolist()
-        for name, text, limit in (("text", True, cfg.num_text_tokens), ("audio", False, cfg.num_audio_tokens)):
-            if any(t is text and (min(row) < 0 or max(row) >= limit) for row, t in zip(rows, is_text, strict=True)):
-                raise ValueError(f"prompt has {name} ids outside [0, {limit})")
-        spk = prompt.speaker
-        if spk is not None and (not isinstance(spk, torch.Tensor) or spk.shape != (cfg.hidden_size,)
-                                or not spk.is_floating_point() or not _finite(spk)):
-            raise ValueError(f"prompt.speaker must be None or a finite float tensor [{cfg.hidden_size}]")
-        return [tuple(t) for t in rows], is_text
+        return check_prompt(self.model_config, prompt)
 
     def abort_request(self, request_id: str, report: bool = True) -> bool:
         """Stop a request now and free its blocks; unless ``report`` is False, the next ``step`` reports it
@@ -313,6 +282,47 @@ class LLMEngine:
             out.token_ids = seq.output_ids()
             out.hidden_states = seq.output_hidden(self.model_config.hidden_size)
         return out
+
+
+def validate_request(cfg, kv_capacity: int, prompt: Prompt, params: SamplingParams
+                     ) -> tuple[list[tuple[int, ...]], list[bool]]:
+    """Raise ``ValueError`` saying what to fix if the request can never be served by an engine over a model of
+    config ``cfg`` with ``kv_capacity`` tokens of KV cache; else its tokens (a pure check: a server's front
+    runs it without the engine)."""
+    params.validate(cfg.num_vq, cfg.num_text_tokens if params.mode is Mode.TEXT else cfg.num_audio_tokens)
+    tokens, is_text = check_prompt(cfg, prompt)
+    context = cfg.max_position_embeddings
+    if len(tokens) >= min(context, kv_capacity):
+        limit = "the model's context" if context <= kv_capacity else "the KV cache"
+        raise ValueError(
+            f"prompt of {len(tokens)} tokens leaves no room to generate: {limit} holds "
+            f"{min(context, kv_capacity)} tokens; shorten the prompt"
+            + ("" if context <= kv_capacity else " or give the engine more KV cache")
+        )
+    return tokens, is_text
+
+
+def check_prompt(cfg, prompt: Prompt) -> tuple[list[tuple[int, ...]], list[bool]]:
+    ids, mask = prompt.ids, prompt.text_mask
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.size(1) != cfg.num_vq or ids.is_floating_point():
+        raise ValueError(f"prompt.ids must be an integer tensor [T, num_vq={cfg.num_vq}], got "
+                         f"{getattr(ids, 'shape', type(ids).__name__)}")
+    if ids.size(0) == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape[:1] or mask.dtype != torch.bool:
+        raise ValueError(f"prompt.text_mask must be a bool tensor [{ids.size(0)}], got "
+                         f"{getattr(mask, 'shape', type(mask).__name__)}")
+    # checked on Python lists: each torch call would let go of the GIL and wait to take it back, which a
+    # busy server's request threads pay dearly (see ``text.speaker._string_speaker``)
+    rows, is_text = ids.tolist(), mask.tolist()
+    for name, text, limit in (("text", True, cfg.num_text_tokens), ("audio", False, cfg.num_audio_tokens)):
+        if any(t is text and (min(row) < 0 or max(row) >= limit) for row, t in zip(rows, is_text, strict=True)):
+            raise ValueError(f"prompt has {name} ids outside [0, {limit})")
+    spk = prompt.speaker
+    if spk is not None and (not isinstance(spk, torch.Tensor) or spk.shape != (cfg.hidden_size,)
+                            or not spk.is_floating_point() or not _finite(spk)):
+        raise ValueError(f"prompt.speaker must be None or a finite float tensor [{cfg.hidden_size}]")
+    return [tuple(t) for t in rows], is_text
 
 
 # A request's preparation runs on a server's worker threads; every torch op there lets go of the GIL and must

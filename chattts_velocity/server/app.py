@@ -34,9 +34,10 @@ from .admission import Admission, QueueFullError, Ticket
 from .audio_format import CONTENT_TYPES, StreamEncoder
 from .config import ServerConfig
 from .metrics import Metrics
+from .prepare import prepare_prompts, prepare_speech
 from .schema import OPENAI_MODELS, SpeechRequest, error
 from .split import EngineGoneError, EngineProcess
-from .voices import UnknownVoiceError, VoiceRegistry, read_sample
+from .voices import UnknownVoiceError, Voice, VoiceRegistry, read_sample
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +62,11 @@ class _State:
     def __init__(self, chat, config: ServerConfig, cluster=None):
         self.config = config
         self.remote = chat if isinstance(chat, EngineProcess) else None
-        """The engine process (``split.EngineProcess``) when the engine runs apart; then ``chat`` and
-        ``voices`` are None (they live there)."""
+        """The engine process (``split.EngineProcess``) when the engine runs apart; then ``chat`` is None and
+        ``voices`` resolves voices through the engine process's ``SpeechKit`` (registering is done there)."""
         self.chat = None if self.remote else chat
-        self.voices = None if self.remote else VoiceRegistry(chat, config.voices_dir,
-                                                             None if cluster is None else cluster.voices)
+        self.voices = VoiceRegistry(self.remote.kit if self.remote else chat, config.voices_dir,
+                                    None if cluster is None else cluster.voices)
         self.admission = Admission(config.max_concurrent, config.max_queue)
         self.metrics = Metrics(self.remote or chat.engine, self.admission)
         self.draining = False
@@ -137,11 +138,8 @@ def build_app(chat, config: ServerConfig | None = None, cluster=None) -> FastAPI
 
     @app.get("/v1/audio/voices")
     async def voices() -> dict:
-        if state.remote is not None:
-            pairs = await state.remote.call("voices")
-        else:
-            await anyio.to_thread.run_sync(state.voices.reload)
-            pairs = [(v.id, v.name) for v in state.voices.list()]
+        await anyio.to_thread.run_sync(state.voices.reload)
+        pairs = [(v.id, v.name) for v in state.voices.list()]
         return {"voices": [{"id": vid, "name": name} for vid, name in pairs]}
 
     @app.post("/v1/audio/voices", status_code=201)
@@ -150,11 +148,12 @@ def build_app(chat, config: ServerConfig | None = None, cluster=None) -> FastAPI
         data = await audio.read()
         try:
             wav = await anyio.to_thread.run_sync(read_sample, data)
-            if state.remote is not None:
-                vid, vname = await state.remote.call("register", name, wav, transcript)
+            if state.remote is not None:  # the voice-sample encoder is there; its record comes back
+                voice = Voice(**await state.remote.call("register", name, wav, transcript))
+                state.voices.remember(voice)
             else:
                 voice = await anyio.to_thread.run_sync(state.voices.register, name, wav, transcript)
-                vid, vname = voice.id, voice.name
+            vid, vname = voice.id, voice.name
         except ValueError as e:
             return error(400, str(e), param="audio" if "audio" in str(e) else "transcript")
         return JSONResponse({"id": vid, "name": vname}, status_code=201)
@@ -213,8 +212,10 @@ async def _speech(state: _State, body: SpeechRequest, request: Request) -> Respo
         return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(config.retry_after_s)})
     started = time.monotonic()
     try:
-        if state.remote is not None:  # prepared in the engine process
+        if state.remote is not None and body.refines:  # the refine pass runs in the engine process
             audio = await state.remote.prepare(body)
+        elif state.remote is not None:  # prepared here, run there: no round trip before the headers
+            audio = state.remote.run(*prepare_prompts(state.remote.kit, state.voices, config, body))
         elif body.refines:  # the refine pass waits for the engine: on a worker thread
             audio = await anyio.to_thread.run_sync(_prepare, state, body)
         else:
@@ -275,21 +276,6 @@ class _Admitted(StreamingResponse):
 
 def _prepare(state: _State, body: SpeechRequest) -> JoinedAudio:
     return prepare_speech(state.chat, state.voices, state.config, body)
-
-
-def prepare_speech(chat, voices: VoiceRegistry, config: ServerConfig, body: SpeechRequest) -> JoinedAudio:
-    """Sentences, voice and parameters of a request, validated; the audio iterator (nothing runs yet)."""
-    voice = voices.resolve(body.voice)
-    texts = chat._prepare_texts(body.input, True, None, True, True)
-    if body.refines:
-        params = chat.RefineTextParams(prompt=body.refine_prompt() or "", manual_seed=body.seed, show_tqdm=False)
-        texts = chat._refine(chat._velocity, texts, params)
-    code = chat.InferCodeParams(
-        prompt=body.speed_prompt(), spk_emb=voice.spk_emb, spk_smp=voice.spk_smp, txt_smp=voice.txt_smp,
-        temperature=body.temperature, top_P=body.top_p, top_K=body.top_k, manual_seed=body.seed, show_tqdm=False,
-        max_new_token=config.max_new_token, min_new_token=config.min_new_token,
-    )
-    return chat._velocity.stream_joined(texts, code, use_decoder=True, in_flight=config.in_flight_sentences)
 
 
 async def _chunks(state: _State, audio: JoinedAudio, ticket: Ticket) -> AsyncIterator[np.ndarray]:

@@ -1,9 +1,8 @@
 """The engine in a process of its own (``serve --engine-process``): this process answers HTTP (FastAPI, uvicorn,
 the audio encoders); a child process loads the model and runs the engine thread and the audio pump; they talk
-over three pipes. Requests, cancels and calls (voices, stats) go down one; acknowledgements and replies
-come back on another, and the requests' audio chunks on a third (every chunk a round made ready in one
-message), so that an acknowledgement, which the response's headers wait for, never queues behind a round's
-audio.
+over three pipes. Requests, cancels and calls (voice registration, stats) go down one; acknowledgements,
+replies and refusals come back on another, and the requests' audio chunks on a third (every chunk a round made
+ready in one message), so that an acknowledgement never queues behind a round's audio.
 
 Why: a Python process runs one thread at a time (the GIL). In one process the event loop's HTTP and encoding
 work and the engine thread's steps and audio rounds take turns: at 256 streams on an H100 the server process
@@ -11,9 +10,13 @@ used 8.2 s of CPU over a 6.6 s level with the engine thread busy throughout, and
 thread handed the GIL to the loop, which the engine thread then waited to get back
 (`python benchmarks/serve_timeline.py --http`). Apart, each has a GIL of its own.
 
-The front never touches the model: a request is validated and prepared in the engine process (a bad one comes
-back as the ``ValueError`` or ``UnknownVoiceError`` it raised there, so the front answers the same 4xx as the
-one-process server), and ``RemoteAudio`` reads like ``JoinedAudio``. A client that leaves has its request
+The front never touches the model. It prepares and validates a request itself, from the ``SpeechKit`` the engine
+process sent once it loaded (tokenizer, model config, speaker statistics, KV capacity: ``prepare.prepare_prompts``,
+the same 4xx as the one-process server), sends the prompts to run and answers at once: before, every request
+went to the engine process to be prepared and the headers waited for its acknowledgement, which took 149-216 ms
+p99 when 64 requests came together, the engine process's command thread waiting for the GIL behind its engine
+thread. A request with a refine pass needs the engine for it and still goes that way (``_Host._prepare``).
+``RemoteAudio`` reads like ``JoinedAudio``. A client that leaves has its request
 cancelled over the pipe (the engine process aborts its engine requests at once). If the engine process dies,
 every request in flight fails, ``/health`` answers 503 and new requests get 503. The engine process ignores
 SIGINT and SIGTERM: the front drains and then stops it (or it exits when the front's pipe closes)."""
@@ -28,11 +31,13 @@ import signal
 import threading
 import time
 from collections import deque
+from dataclasses import asdict
 
 import numpy as np
 
 from ..audio.pump import PENDING, take_ready
 from .config import ServerConfig
+from .prepare import SpeechKit, prepare_speech
 from .schema import SpeechRequest
 from .voices import UnknownVoiceError, VoiceRegistry
 
@@ -62,7 +67,7 @@ def _engine_main(load: dict, config: ServerConfig, warmup: bool | None, log_leve
         warm_up(chat)
     chat._velocity.pump.round_interval_s = config.audio_round_ms / 1000
     host = _Host(chat, config, events, audio)
-    host.send(("ready", {"device": str(chat.device)}))
+    host.send(("ready", {"device": str(chat.device), "kit": SpeechKit.of(chat)}))
     try:
         host.serve(cmd)
     finally:
@@ -108,6 +113,8 @@ class _Host:
                     threading.Thread(target=self._prepare, args=(rid, body), daemon=True).start()
                 else:
                     self._prepare(rid, body)
+            elif kind == "run":
+                self._run(*msg[1:])
             elif kind == "cancel":
                 self._cancel(msg[1])
             elif kind == "call":
@@ -119,9 +126,22 @@ class _Host:
         for rid in rids:
             self._cancel(rid)
 
-    def _prepare(self, rid: str, body: SpeechRequest) -> None:
-        from .app import prepare_speech
+    def _run(self, rid: str, prompts, params) -> None:
+        """A request the front prepared (``prepare.prepare_prompts``): its audio starts now. It was validated
+        there; should the engine refuse it all the same, its audio ends with the error (its headers are out)."""
+        try:
+            audio = self.chat._velocity.joined(prompts, params, True, self.config.in_flight_sentences)
+        except Exception as e:  # noqa: BLE001 - the request's failure, not the engine process's
+            logger.warning("request %s refused: %s", rid, e)
+            self.send(("failed", rid, f"{type(e).__name__}: {e}"))
+            return
+        audio.on_ready(lambda: self._mark(rid))
+        with self._cond:
+            self._audio[rid] = audio
+        self._mark(rid)  # its first ``next`` submits its engine requests
 
+    def _prepare(self, rid: str, body: SpeechRequest) -> None:
+        """A request with a refine pass, prepared here (``prepare_speech``); the front waits for the ack."""
         try:
             audio = prepare_speech(self.chat, self.voices, self.config, body)
         except Exception as e:  # noqa: BLE001 - reported to the front: a 404, a 400, else a 500
@@ -191,12 +211,8 @@ class _Host:
 
     def _call(self, cid: int, name: str, args: tuple) -> None:
         try:
-            if name == "voices":
-                self.voices.reload()
-                value = [(v.id, v.name) for v in self.voices.list()]
-            elif name == "register":
-                voice = self.voices.register(*args)
-                value = (voice.id, voice.name)
+            if name == "register":
+                value = asdict(self.voices.register(*args))
             elif name == "stats":
                 value = self.chat.engine.stats().engine
             else:
@@ -349,7 +365,8 @@ class EngineProcess:
 
     # ---------------------------------------------------------------- requests and calls
     async def prepare(self, body: SpeechRequest) -> RemoteAudio:
-        """Submit a request; its audio once the engine process accepted it. Raises what preparing it raised
+        """Submit a request to be prepared in the engine process (one with a refine pass, which needs the
+        engine); its audio once the engine process accepted it. Raises what preparing it raised
         there: ``UnknownVoiceError``, ``ValueError`` (bad input), ``EngineGoneError``, ``RuntimeError``."""
         rid = f"r{next(self._ids)}"
         audio = RemoteAudio(self, rid)
@@ -367,8 +384,28 @@ class EngineProcess:
             raise (UnknownVoiceError if kind == "voice" else ValueError if kind == "input" else RuntimeError)(message)
         return audio
 
+    @property
+    def kit(self) -> SpeechKit:
+        """What the front prepares requests with (``prepare.prepare_prompts``), from the engine process."""
+        return self.info["kit"]
+
+    def run(self, prompts, params) -> RemoteAudio:
+        """Start a request prepared here (``prepare.prepare_prompts``) in the engine process; its audio, at
+        once (no acknowledgement is waited for). Raises ``EngineGoneError``."""
+        rid = f"r{next(self._ids)}"
+        audio = RemoteAudio(self, rid)
+        with self._lock:
+            self._audio[rid] = audio
+        try:
+            self._send(("run", rid, prompts, params))
+        except EngineGoneError:
+            with self._lock:
+                self._audio.pop(rid, None)
+            raise
+        return audio
+
     async def call(self, name: str, *args):
-        """Run a call in the engine process (``voices``, ``register``, ``stats``); its error is raised
+        """Run a call in the engine process (``register``, ``stats``); its error is raised
         again here (``ValueError`` as such, any other as ``RuntimeError``)."""
         cid = next(self._ids)
         error, value = await self._request(cid, ("call", cid, name, args))
@@ -427,11 +464,13 @@ class EngineProcess:
         self._lost()
 
     def _on_event(self, msg) -> None:
-        """An acknowledgement or a reply."""
+        """An acknowledgement, a reply, or a request the engine refused (``run``)."""
         if msg[0] == "ack":
             self._resolve(msg[1], msg[2])
         elif msg[0] == "reply":
             self._resolve(msg[1], (msg[2], msg[3]))
+        elif msg[0] == "failed":
+            self._on_audio([(msg[1], None, msg[2])])
 
     def _on_audio(self, items) -> None:
         """A round's chunks: (request id, chunk or None at its end, why it failed) each."""

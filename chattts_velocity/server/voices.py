@@ -119,6 +119,11 @@ class VoiceRegistry:
             self.shared.put(asdict(voice))
         return voice
 
+    def remember(self, voice: Voice) -> None:
+        """Know a voice registered elsewhere (another process's ``register``, which stored it)."""
+        with self._lock:
+            self._registered[voice.id] = voice
+
     def reload(self) -> None:
         """Pick up voices other processes registered: in the folder (several servers may share it) and in the
         shared store."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .normalizer import Normalizer, is_speakable
-from .prepare import prepare_texts
+from .prepare import model_texts, prepare_texts
 from .speaker import (
     SpeakerStats,
     apply_speaker,
@@ -31,6 +31,7 @@ __all__ = [
     "encode_prompt",
     "encode_speaker",
     "is_speakable",
+    "model_texts",
     "prepare_texts",
     "speaker_vector",
     "split_long",

@@ -13,6 +13,12 @@ _UNREADABLE = ("has nothing the model can read after normalisation: ChatTTS read
                "and other scripts are dropped")
 
 
+def model_texts(model, normalizer, text, split: bool, lang: str | None, do_norm: bool, do_homophone: bool) -> list[str]:
+    """``prepare_texts`` for a model (its ``tokenizer`` and ``config``): each piece at most half its context."""
+    return prepare_texts(text, split, lang, lambda t: normalizer(t, do_norm, do_homophone, lang), model.tokenizer.count,
+                         model.config.max_position_embeddings // 2)
+
+
 def prepare_texts(text, split: bool, lang: str | None, normalize: Callable[[str], str],
                   count_tokens: Callable[[str], int], max_tokens: int) -> list[str]:
     """``text`` (a str, or a list of str each synthesised on its own) as normalised texts; with ``split`` a str
