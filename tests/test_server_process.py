@@ -135,3 +135,43 @@ def test_engine_process_and_replicas_do_not_combine(tmp_path):
     run = subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "serve", "--model", str(tmp_path),
                           "--engine-process", "--replicas", "2"], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "--engine-process" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_prompts_cross_the_pipe_as_plain_arrays(upstream_ckpt):
+    """What the front sends to run: the prompts ``prepare_prompts`` made, as numpy arrays (a torch tensor would be
+    pickled as shared memory whose descriptor the engine process fetches back from the front), and they come
+    out equal to what the one-process server builds from the same request."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+
+    from chattts_velocity import Chat
+    from chattts_velocity.server.config import ServerConfig
+    from chattts_velocity.server.prepare import SpeechKit, prepare_prompts, speech_plan
+    from chattts_velocity.server.schema import SpeechRequest
+    from chattts_velocity.server.split import _arrays, _prompts
+    from chattts_velocity.server.voices import VoiceRegistry
+
+    chat = Chat()
+    chat.load(source="custom", custom_path=upstream_ckpt, device="cpu")
+    try:
+        import pickle
+
+        kit = pickle.loads(pickle.dumps(SpeechKit.of(chat)))  # as the front gets it
+        config = ServerConfig(max_new_token=TOKENS)
+        request = SpeechRequest(model="tts-1", voice="alloy", input="One sentence here. And a second one!", seed=3)
+        prompts, params = prepare_prompts(kit, VoiceRegistry(kit), config, request)
+        texts, code = speech_plan(chat, VoiceRegistry(chat), config, request)
+        expected = chat._velocity._code_prompts(texts, code)
+        assert len(prompts) == len(expected) == 2
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(("run", "r0", _arrays(prompts), params))
+        assert b"torch" not in buf.getvalue()
+        for got, want in zip(_prompts(pickle.loads(buf.getvalue())[2]), expected, strict=True):
+            assert torch.equal(got.ids, want.ids) and torch.equal(got.text_mask, want.text_mask)
+            assert torch.equal(got.speaker, want.speaker)
+        with pytest.raises(ValueError, match="refine"):
+            prepare_prompts(kit, VoiceRegistry(kit), config, request.model_copy(update={"refine_text": True}))
+    finally:
+        chat.unload()

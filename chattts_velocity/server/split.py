@@ -34,8 +34,10 @@ from collections import deque
 from dataclasses import asdict
 
 import numpy as np
+import torch
 
 from ..audio.pump import PENDING, take_ready
+from ..engine import Prompt
 from .config import ServerConfig
 from .prepare import SpeechKit, prepare_speech
 from .schema import SpeechRequest
@@ -54,8 +56,6 @@ def _engine_main(load: dict, config: ServerConfig, warmup: bool | None, log_leve
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front owns the lifetime (a Ctrl-C reaches the group)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s [engine process] %(name)s: %(message)s")
-    import torch
-
     from ..chat import Chat
     from .run import warm_up
 
@@ -130,7 +130,7 @@ class _Host:
         """A request the front prepared (``prepare.prepare_prompts``): its audio starts now. It was validated
         there; should the engine refuse it all the same, its audio ends with the error (its headers are out)."""
         try:
-            audio = self.chat._velocity.joined(prompts, params, True, self.config.in_flight_sentences)
+            audio = self.chat._velocity.joined(_prompts(prompts), params, True, self.config.in_flight_sentences)
         except Exception as e:  # noqa: BLE001 - the request's failure, not the engine process's
             logger.warning("request %s refused: %s", rid, e)
             self.send(("failed", rid, f"{type(e).__name__}: {e}"))
@@ -397,7 +397,7 @@ class EngineProcess:
         with self._lock:
             self._audio[rid] = audio
         try:
-            self._send(("run", rid, prompts, params))
+            self._send(("run", rid, _arrays(prompts), params))
         except EngineGoneError:
             with self._lock:
                 self._audio.pop(rid, None)
@@ -507,6 +507,19 @@ class EngineProcess:
             entry = self._waiting.pop(key, None)
         if entry is not None:
             _settle(*entry, value)
+
+
+def _arrays(prompts: list[Prompt]) -> list[tuple]:
+    """Prompts as numpy arrays for the pipe. A torch tensor would go as shared memory whose file descriptor the
+    receiver fetches from the sender's resource-sharer thread: a round trip per tensor, each needing the
+    sender's GIL."""
+    return [(p.ids.numpy(), p.text_mask.numpy(), None if p.speaker is None else p.speaker.numpy()) for p in prompts]
+
+
+def _prompts(arrays: list[tuple]) -> list[Prompt]:
+    """``_arrays`` back to prompts."""
+    return [Prompt(torch.from_numpy(ids), torch.from_numpy(mask), None if spk is None else torch.from_numpy(spk))
+            for ids, mask, spk in arrays]
 
 
 def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
