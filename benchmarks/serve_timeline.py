@@ -397,11 +397,13 @@ def _front(cmd, events, audio, config, port: int) -> None:
     """The HTTP front of ``start_split_server``, in a process of its own."""
     import uvicorn
 
+    from chattts_velocity.gc_freeze import freeze_long_lived
     from chattts_velocity.server.app import build_app
     from chattts_velocity.server.split import EngineProcess
 
     handle = EngineProcess(cmd, events, audio)
     handle.wait_ready()
+    freeze_long_lived()  # as run.serve_split
     uvicorn.run(build_app(handle, config), host="127.0.0.1", port=port, log_level="warning",
                 timeout_keep_alive=config.keep_alive_s)
 

@@ -91,12 +91,16 @@ def serve_split(load: dict, config: ServerConfig, host: str = "127.0.0.1", port:
     """``serve`` with the model and engine in a process of their own (``split``): it loads ``Chat.load(**load)``
     (and warms up, by default on CUDA), this process serves HTTP. SIGTERM drains as in ``serve``, then stops the
     engine process. Returns the exit code."""
+    from ..gc_freeze import freeze_long_lived
     from .split import EngineProcess
 
     engine = EngineProcess.start(load, config, warmup=warmup, log_level=log_level, threads=threads)
     try:
         info = engine.wait_ready()
         app = build_app(engine, config)
+        # the front's long-lived objects (torch, the tokenizer, the app) out of the collector's scans: a full
+        # collection walking them paused the front's event loop, and every response's headers with it
+        freeze_long_lived()
         server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                 timeout_keep_alive=config.keep_alive_s),
                                  app.state.speech, config.shutdown_timeout_s)
