@@ -5,7 +5,7 @@
 # Usage: VARIANTS="one split" STREAMS="1 64 256" bash benchmarks/split_ab.sh [extra serve args for every variant...]
 # Variants: one (one process), split (--engine-process), one-fixed / split-fixed (also --min-new-token
 # $MAX_NEW: every request's audio as long, the random weights' early ends masked), or LABEL@ARGS: serve
-# arguments separated by commas (e.g. hold-off@--min-new-token,500,--first-audio-hold-ms,off). A variant may
+# arguments separated by commas (e.g. round100@--min-new-token,500,--audio-round-ms,100). A variant may
 # ENV=NAME=VALUE arguments among ARGS set environment variables of that server only, e.g.
 # si1@ENV=CHATTTS_SWITCH_INTERVAL_MS=1 with benchmarks/switch_interval on PYTHONPATH. A variant may
 # come more than once (alternating runs): each run's results go under $OUT/<n>_<label>/, and a summary line per

@@ -19,23 +19,6 @@ streams first audio p50/p99 1,251/1,777 -> 1,114/1,255 ms against no cap, but 26
 settled."""
 
 
-SERVE_FIRST_AUDIO_HOLD_MS = 20.0
-"""``serve``'s default ``EngineConfig.first_audio_hold_ms`` (README, "Serve")."""
-
-
-def _hold_ms(value: str) -> float | None:
-    """``serve --first-audio-hold-ms``: milliseconds >= 0, or "off"."""
-    if value.strip().lower() == "off":
-        return None
-    try:
-        ms = float(value)
-    except ValueError:
-        ms = -1.0
-    if not 0 <= ms <= 10_000:
-        raise argparse.ArgumentTypeError(f"expected milliseconds within 0-10000 or 'off', got {value!r}")
-    return ms
-
-
 def _say(args: argparse.Namespace) -> int:
     import numpy as np
     import soundfile as sf
@@ -121,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     engine = dict(max_num_seqs=args.max_num_seqs or config.max_concurrent * config.in_flight_sentences,
                   kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype or ("float16" if cuda else "float32"),
-                  max_window_tokens=_window_tokens(args), first_audio_hold_ms=args.first_audio_hold_ms)
+                  max_window_tokens=_window_tokens(args))
     if args.engine_process:
         from .server.run import serve_split
 
@@ -159,8 +142,7 @@ def _scale_settings(args: argparse.Namespace):
 
     config = _server_config(args)
     load = dict(_weights(args), max_num_seqs=args.max_num_seqs or config.max_concurrent * config.in_flight_sentences,
-                kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype, max_window_tokens=_window_tokens(args),
-                first_audio_hold_ms=args.first_audio_hold_ms)
+                kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype, max_window_tokens=_window_tokens(args))
     gpus = args.gpus_per_replica if args.gpus_per_replica is not None else 0 if args.device == "cpu" else 1
     scale = ScaleConfig(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                         gpus_per_replica=gpus, ray_address=args.ray_address, host=args.host, port=args.port)
@@ -222,9 +204,6 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max-window-tokens", type=int, default=SERVE_WINDOW_TOKENS,
                    help="engine: most tokens (steps x sequences) per multi-step decode window, so arriving "
                         f"requests wait less under load (default: {SERVE_WINDOW_TOKENS}; 0: no cap)")
-    s.add_argument("--first-audio-hold-ms", type=_hold_ms, default=SERVE_FIRST_AUDIO_HOLD_MS,
-                   help="engine: the longest a new stream waits for its first audio behind other requests' "
-                        "prompts before its decode goes first (default: %(default)s; 'off': prompts always first)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r = s.add_argument_group("replicas (Ray Serve: pip install \"chattts-velocity[scale]\")",
                              "--replicas, --min/--max-replicas or --ray-address serve through Ray Serve: one engine "

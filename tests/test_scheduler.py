@@ -5,9 +5,8 @@ from __future__ import annotations
 from engine_helpers import make_seq
 
 from chattts_velocity.engine.block_manager import BlockSpaceManager
-from chattts_velocity.engine.sampling_params import Mode, SamplingParams
 from chattts_velocity.engine.scheduler import Scheduler
-from chattts_velocity.engine.sequence import FinishReason, Sequence, SequenceStatus
+from chattts_velocity.engine.sequence import FinishReason, SequenceStatus
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, max_tokens=64, watermark=0.0):
@@ -278,88 +277,6 @@ def test_prefill_first_admits_prompts_in_steps_of_their_own_within_the_prefill_l
     assert not sched.waiting
     assert plan(run_step(sched)) == [("long", 8)]  # nobody waits, but its next chunk is still a step of its own
     assert sched.schedule().num_steps == 4
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def run_window(sched: Scheduler):
-    """``run_step``, a decode window's every step included (each sequence gains ``num_steps`` tokens)."""
-    out = sched.schedule()
-    for item in out.scheduled:
-        item.seq.num_computed_tokens += item.num_new_tokens + out.num_steps - 1
-        sched.block_manager.cache_full_blocks(item.seq)
-        if item.samples:
-            item.seq.extend([(7,) * 4] * out.num_steps)
-    return out
-
-
-def held_scheduler(hold, clock, **kw):
-    bm = BlockSpaceManager(256, 4, 0.0)
-    return Scheduler(bm, 16, 64, num_decode_steps=8, first_window_tokens=4, prefill_first=True, max_prefill_seqs=1,
-                     first_audio_hold_s=hold, clock=clock, **kw)
-
-
-def test_first_audio_hold_bounds_how_long_prompts_go_before_a_new_streams_decode():
-    """With prefill_first and first_audio_hold_s, prompts go first until a sequence short of first_window_tokens
-    has waited the hold since its admission; then the batch's decode window (just long enough to bring it there)
-    runs while requests wait, and they are admitted right after it. Without a hold prompts always go first."""
-    for hold in (None, 0.02):
-        clock = FakeClock()
-        sched = held_scheduler(hold, clock)
-        young = make_seq(5, request_id="young")
-        sched.add(young)
-        assert plan(run_window(sched)) == [("young", 5)]
-        assert young.admitted_at == 0.0 and young.num_generated == 1
-        sched.add(make_seq(5, first=300, request_id="new0"))
-        sched.add(make_seq(5, first=400, request_id="new1"))
-        clock.now = 0.019  # within the hold: prompts first
-        assert plan(run_window(sched)) == [("new0", 5)]
-        clock.now = 0.020  # young has waited the hold
-        out = run_window(sched)
-        if hold is None:
-            assert plan(out) == [("new1", 5)]
-            continue
-        # everybody's decodes, in a window that brings the youngest to first_window_tokens; new1 waits
-        assert sorted(plan(out)) == [("new0", 1), ("young", 1)] and out.num_steps == 3
-        assert [s.request_id for s in sched.waiting] == ["new1"]
-        assert young.num_generated == 4
-        assert plan(run_window(sched)) == [("new1", 5)]  # nobody short of first audio: prompts first again
-
-
-def test_first_audio_hold_never_makes_a_mixed_step_nor_holds_for_text_or_grown_streams():
-    """While a running sequence has prompt left to compute (a chunked prompt), prompts go first whatever the
-    hold (a mixed step would be eager). A sequence past first_window_tokens, or a text (refine) one, is never
-    held for."""
-    clock = FakeClock()
-    sched = held_scheduler(0.0, clock, max_prefill_tokens=8)
-    young = make_seq(5, request_id="young")
-    sched.add(young)
-    run_window(sched)
-    long = make_seq(12, first=500, request_id="long")
-    sched.add(long)
-    out = run_window(sched)  # a hold of 0: young's first window at once
-    assert plan(out) == [("young", 1)] and out.num_steps == 3
-    assert plan(run_window(sched)) == [("long", 8)]  # young has its tokens: prompts first
-    sched.add(make_seq(5, first=300, request_id="new"))
-    assert plan(run_window(sched)) == [("long", 4)]  # long is still a prompt: prompts first
-    out = run_window(sched)  # long is short of its first audio now
-    assert sorted(plan(out)) == [("long", 1), ("young", 1)] and out.num_steps == 3
-    assert plan(run_window(sched)) == [("new", 5)]
-
-    text_sched = held_scheduler(0.0, clock)
-    text = Sequence(999, "text", [(1,) * 4] * 5, [True] * 5, None, b"",
-                    SamplingParams(max_new_tokens=100, mode=Mode.TEXT), seed=0, max_tokens=105)
-    text_sched.add(text)
-    run_window(text_sched)
-    assert text.num_generated == 1
-    text_sched.add(make_seq(5, first=300, request_id="after"))
-    assert plan(run_window(text_sched)) == [("after", 5)]
 
 
 def test_without_prefill_first_new_prompts_join_the_decodes():

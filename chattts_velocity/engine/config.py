@@ -51,12 +51,6 @@ class EngineConfig:
     hundreds of decodes make a step too large for the prefill CUDA graphs: eager, and on an H100 under a
     server's load 82-134 ms instead of a few. On CUDA such a step admits no more sequences and tokens than the
     largest prefill graph takes. None: on CUDA only."""
-    first_audio_hold_ms: float | None = None
-    """With ``prefill_first``: the longest a sequence still short of ``first_window_tokens`` tokens waits behind
-    other requests' prompt steps, from its admission. Past it the next step is the running batch's decode
-    window (up to those tokens), and the requests still waiting are admitted after it: under a steady stream of
-    arrivals prompts first would hold a stream's first audio for as many prompt steps as requests keep coming.
-    None: prompts always first."""
     pipeline_decode: bool | None = None
     """Queue the next decode window before reading the current one's tokens while the batch cannot change, so
     host work overlaps the device's. None: on CUDA only (on CPU the window runs inside the launch, so it would
@@ -74,9 +68,6 @@ class EngineConfig:
             _positive("max_window_tokens", self.max_window_tokens)
         if not isinstance(self.first_window_tokens, int) or self.first_window_tokens < 0:
             raise ValueError(f"first_window_tokens must be an int >= 0, got {self.first_window_tokens!r}")
-        hold = self.first_audio_hold_ms
-        if hold is not None and (isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold <= 10_000):
-            raise ValueError(f"first_audio_hold_ms must be None or a number within 0-10000, got {hold!r}")
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_gib is not None and not (isinstance(self.kv_cache_gib, (int, float)) and self.kv_cache_gib > 0):

@@ -63,7 +63,7 @@ class LLMEngine:
         seqs, tokens = self.worker.runner.prefill_limits() if prefill_first else (None, None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_decode_steps, config.first_window_tokens, config.max_window_tokens,
-                                   prefill_first, seqs, tokens, first_audio_hold_s=_seconds(config.first_audio_hold_ms))
+                                   prefill_first, seqs, tokens)
         self.requests: dict[str, SequenceGroup] = {}
         self._aborted: list[RequestOutput] = []
         pipeline = config.pipeline_decode
@@ -337,10 +337,6 @@ def _host_array(vec: torch.Tensor) -> np.ndarray | None:
 def _finite(vec: torch.Tensor) -> bool:
     host = _host_array(vec)
     return bool(np.isfinite(host).all()) if host is not None else bool(torch.isfinite(vec).all())
-
-
-def _seconds(ms: float | None) -> float | None:
-    return None if ms is None else ms / 1000
 
 
 def _float32_host(vec: torch.Tensor) -> torch.Tensor:

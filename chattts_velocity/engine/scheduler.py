@@ -4,10 +4,7 @@ waiting ones while the token budget, the sequence limit and the KV blocks allow.
 that has prompts to compute (waiting requests, or a long prompt's next chunk) computes prompts only (up to ``max_prefill_seqs`` sequences and
 ``max_prefill_tokens`` tokens, what one prefill CUDA graph takes) and the running decodes wait for the next
 step, which runs them all as one window: mixed in, hundreds of decodes would make the prefill step an eager one
-of hundreds of sequences. Prompts first must not starve a stream's first audio: with ``first_audio_hold_s``, once
-a sequence still short of its first ``first_window_tokens`` tokens has waited that long since it was admitted,
-the next step is the running batch's decode window (just long enough to bring it there) however many requests
-wait, and those are admitted after it. When blocks run out the most
+of hundreds of sequences. When blocks run out the most
 recently admitted sequence is preempted: its blocks are freed and it is recomputed later (its prefix may still
 be in the prefix cache).
 
@@ -21,9 +18,7 @@ presence makes steps fail is found and failed alone. Pure Python: no torch."""
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockSpaceManager
@@ -63,8 +58,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int,
                  num_decode_steps: int = 1, first_window_tokens: int = 0, max_window_tokens: int | None = None,
                  prefill_first: bool = False, max_prefill_seqs: int | None = None,
-                 max_prefill_tokens: int | None = None, first_audio_hold_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 max_prefill_tokens: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -74,10 +68,6 @@ class Scheduler:
         self.prefill_first = prefill_first
         self.max_prefill_seqs = max_prefill_seqs
         self.max_prefill_tokens = max_prefill_tokens
-        self.first_audio_hold_s = first_audio_hold_s
-        """With ``prefill_first``: the longest a sequence short of ``first_window_tokens`` tokens (its first
-        audio) waits for other requests' prompt steps, from its admission; None: prompts always go first."""
-        self.clock = clock
         self._text_turn = False
         """Which mode's decodes a step of mixed audio and text decodes keeps (see ``_one_mode``)."""
         self.waiting: deque[Sequence] = deque()
@@ -94,13 +84,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        first_audio = self.prefill_first and self._first_audio_due()
-        if self.prefill_first and not first_audio:  # prompts to compute (waiting, or chunked ones): a step of their own
+        if self.prefill_first:  # prompts to compute (waiting, or chunked ones running): a step of their own
             self._schedule_prefills(out)
             if out.scheduled:
                 return out
         budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted and not first_audio:
+        if not out.preempted:
             self._schedule_waiting(out, budget)
         if out.scheduled:
             self._one_mode(out)
@@ -108,21 +97,6 @@ class Scheduler:
             if out.decode:
                 self._reserve_window(out)
         return out
-
-    def _first_audio_due(self) -> bool:
-        """A running audio sequence short of its first ``first_window_tokens`` tokens was admitted at least
-        ``first_audio_hold_s`` ago, and every running sequence decodes (a prompt chunk still to compute keeps
-        prompts first: mixed into the decodes it would make an eager step)."""
-        hold, first = self.first_audio_hold_s, self.first_window_tokens
-        if hold is None or not first or not self.waiting:
-            return False
-        due, now = False, self.clock()
-        for seq in self.running:
-            if not _decodes(seq):
-                return False
-            if not due and not seq.text_mode and seq.num_generated < first and now - seq.admitted_at >= hold:
-                due = True
-        return due
 
     def _one_mode(self, out: SchedulerOutput) -> None:
         """A step of nothing but decodes, audio and text (refine) mixed, keeps one mode's, audio and text in
@@ -236,7 +210,6 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, num_new, hits)
             seq.status = SequenceStatus.RUNNING
-            seq.admitted_at = self.clock()
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new

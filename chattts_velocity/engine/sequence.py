@@ -76,8 +76,6 @@ class Sequence:
         """Leading blocks of ``block_table`` already offered to the prefix cache."""
         self.block_hashes: list[bytes] = []
         """Content hashes of the full blocks of ``tokens`` computed so far (a chain; see BlockSpaceManager)."""
-        self.admitted_at = 0.0
-        """When the scheduler last admitted it (its clock): how long it has waited for its first audio."""
         self.hidden_chunks: list[torch.Tensor] = []
         """Final-norm hidden states [n, H] that produced the generated tokens, in order, one chunk per step."""
 
