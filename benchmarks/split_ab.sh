@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine: the speech server in one process and with the engine in a process of its own
 # (`serve --engine-process`), one after the other on the same machine, each driven by `bench serve`
-# (`benchmarks/gpu_serve.sh`); results under $OUT/<variant>/.
+# (`benchmarks/gpu_serve.sh`); results under $OUT/<n>_<label>/.
 # Usage: VARIANTS="one split" STREAMS="1 64 256" bash benchmarks/split_ab.sh [extra serve args for every variant...]
 # Variants: one (one process), split (--engine-process), one-fixed / split-fixed (also --min-new-token
 # $MAX_NEW: every request's audio as long, the random weights' early ends masked), or LABEL@ARGS: serve
-# arguments separated by commas (e.g. round100@--min-new-token,500,--audio-round-ms,100). A variant may
-# ENV=NAME=VALUE arguments among ARGS set environment variables of that server only, e.g.
+# arguments separated by commas (e.g. round100@--min-new-token,500,--audio-round-ms,100), where
+# ENV=NAME=VALUE arguments set environment variables of that server only, e.g.
 # si1@ENV=CHATTTS_SWITCH_INTERVAL_MS=1 with benchmarks/switch_interval on PYTHONPATH. A variant may
 # come more than once (alternating runs): each run's results go under $OUT/<n>_<label>/, and a summary line per
 # level is printed.
