@@ -249,6 +249,7 @@ def test_over_the_queue_limit_is_429_with_retry_after(server):
 
 
 def test_bench_serve_drives_the_server(server, tmp_path):
+    from chattts_velocity.bench.serve import TEXT as BENCH_TEXT
     from chattts_velocity.bench.serve import ServeBenchConfig, run_and_report
 
     out = tmp_path / "bench_serve.json"
@@ -269,6 +270,14 @@ def test_bench_serve_drives_the_server(server, tmp_path):
     assert split["rtf_min"] > 0 and split["ttfa_p50_ms"] > 0
     # each client's first request and its later one, apart (the first level had one request per client)
     assert split["ttfa_p99_first_ms"] > 0 and split["ttfa_p99_later_ms"] > 0 and rows[0]["ttfa_p99_later_ms"] is None
+    # the bench's own HTTP client reads the chunked body whole: the same audio as the openai SDK's client (httpx)
+    traced = run_and_report(ServeBenchConfig(url=server.url, streams=(1,), requests_per_stream=2, api_key=API_KEY,
+                                             json_path=None, trace=True))["rows"][0]["traced"]
+    for seed, request in enumerate(sorted(traced, key=lambda r: r["nth"])):
+        sdk = httpx.post(server.url + "/v1/audio/speech", headers=AUTH, timeout=120,
+                         json={"model": "tts-1", "voice": "alloy", "input": BENCH_TEXT, "response_format": "pcm",
+                               "seed": seed})
+        assert sdk.status_code == 200 and request["audio_s"] == len(sdk.content) / 2 / 24000 > 0
 
 
 def test_bench_serve_says_how_a_request_failed(tmp_path):
@@ -283,8 +292,8 @@ def test_bench_serve_says_how_a_request_failed(tmp_path):
     report = run_and_report(ServeBenchConfig(url=f"http://127.0.0.1:{port}", streams=(2,), requests_per_stream=1,
                                              timeout_s=5.0, json_path=str(tmp_path / "bench_serve.json")))
     (row,) = report["rows"]
-    assert row["failures"] == 2 and row["statuses"] == ["ConnectError"]
-    assert len(row["errors"]) == 2 and all(e.startswith("ConnectError before any byte: ") for e in row["errors"])
+    assert row["failures"] == 2 and row["statuses"] == ["ConnectionRefusedError"]
+    assert len(row["errors"]) == 2 and all(e.startswith("ConnectionRefusedError before any byte: ") for e in row["errors"])
 
 
 def test_an_idle_connection_outlives_the_clients_keep_alive(server):

@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -35,16 +36,14 @@ class ServeBenchConfig:
     plot_path: str | None = None
     streams_per_process: int = 16
     """Clients driven by one client process: a level of more streams is split over several processes, started
-    together. Against the server on an H100 at 256 streams, its audio rounds unpaced, one asyncio client process
-    (about half busy) measured first audio p99 at 6.2-6.8 s and 175-179 audio s per s; split over 4
-    processes, 2.3 s and 243 (`bash benchmarks/gpu_serve.sh`, 0ae4b28 and f7333a5 with `--audio-round-ms 0`):
-    the one process delayed its own streams. At 64 streams, one server, alternating (`benchmarks/
-    client_split.sh`): the time to the response headers, p50, was 313 ms from 1 client process, 118 ms from 4
-    and 86 ms from 16, while the server's handler took 17-64 ms, p50 (`benchmarks/serve_timeline.py --http`):
-    the clients' own connection pool and event loop, not the server."""
+    together. With httpx as the client (before ``_Connection``), against the server on an H100: at 256 streams
+    one client process measured first audio p99 at 6.2-6.8 s against 2.3 s from 4 (`bash
+    benchmarks/gpu_serve.sh`, 0ae4b28 and f7333a5 with `--audio-round-ms 0`), and at 64 streams the time to
+    the response headers, p50, was 313 ms from 1 process, 118 ms from 4 and 86 ms from 16
+    (`benchmarks/client_split.sh`): the clients' own event loops, not the server."""
     trace: bool = False
     """Keep every request's times in the level's row (``traced``: its ``time.monotonic`` when sent, then
-    seconds to the headers, to the first audio and to the end) and send each with an ``X-Request-Id``
+    seconds to the headers, to the first audio and to the end, and its seconds of audio) and send each with an ``X-Request-Id``
     (``bench-<random hex>``), so a server's own timestamps can be matched to them."""
 
     def __post_init__(self) -> None:
@@ -63,23 +62,87 @@ CLIENT_BOUND = 0.8
 (a busy asyncio loop delays its streams well before it is saturated: see ``streams_per_process``)."""
 
 
-async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
-    body = {"model": "tts-1", "voice": cfg.voice, "input": cfg.text, "response_format": "pcm", "seed": seed}
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+class _Connection:
+    """One user's keep-alive HTTP/1.1 connection, spoken by hand. A level times the server: an HTTP library's
+    own work for each request and chunk (httpx's is Python, on a client process's one event loop shared by its
+    16 users) would be counted as the server's latency."""
+
+    def __init__(self, url: str):
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"bench serve drives a plain http:// server, got {url!r}")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.authority = parts.netloc
+        self.prefix = parts.path.rstrip("/")
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def request(self, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> int:
+        """Send a request (on a new connection if the last one ended) and read its status line and headers;
+        the status. ``body()`` then yields the response's body."""
+        if self._writer is None or self._reader.at_eof() or self._writer.is_closing():
+            await self.close()
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        lines = [f"{method} {self.prefix}{path} HTTP/1.1", f"Host: {self.authority}",
+                 f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
+        self._writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        head = (await self._reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        status = int(head[0].split(" ", 2)[1])
+        self._headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:] if line)}
+        return status
+
+    async def body(self):
+        """The body of the response just read, piece by piece as it arrives (chunked or of a known length)."""
+        reader, headers = self._reader, self._headers
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                if size == 0:
+                    await reader.readuntil(b"\r\n")  # no trailers are sent
+                    break
+                yield await reader.readexactly(size)
+                await reader.readexactly(2)
+        elif "content-length" in headers:
+            left = int(headers["content-length"])
+            while left:
+                piece = await reader.read(min(left, 1 << 16))
+                if not piece:
+                    raise ConnectionError("the server closed the connection before the body's end")
+                left -= len(piece)
+                yield piece
+        if headers.get("connection", "").lower() == "close":
+            await self.close()
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._reader = self._writer = None
+
+
+async def _one(conn: _Connection, cfg: ServeBenchConfig, seed: int) -> dict:
+    body = json.dumps({"model": "tts-1", "voice": cfg.voice, "input": cfg.text, "response_format": "pcm",
+                       "seed": seed}).encode()
+    headers = {"Content-Type": "application/json", "Accept": "application/octet-stream"}
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
     rid = f"bench-{uuid.uuid4().hex[:16]}"
     if cfg.trace:
         headers["X-Request-Id"] = rid
     sent, start, arrivals, size = time.monotonic(), time.perf_counter(), [], 0
     try:
-        async with client.stream("POST", cfg.url + "/v1/audio/speech", json=body, headers=headers) as r:
+        async with asyncio.timeout(cfg.timeout_s):
+            status = await conn.request("POST", "/v1/audio/speech", headers, body)
             head = time.perf_counter() - start  # the status line and headers: the server has prepared the request
-            if r.status_code != 200:
-                await r.aread()
-                return {"ok": False, "status": r.status_code}
-            async for chunk in r.aiter_bytes():
+            pieces = conn.body()
+            if status != 200:
+                async for _ in pieces:
+                    pass
+                return {"ok": False, "status": status}
+            async for piece in pieces:
                 arrivals.append(time.perf_counter() - start)
-                size += len(chunk)
+                size += len(piece)
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        await conn.close()  # whatever it was in the middle of, the next request starts afresh
         when = f"after {size} bytes, {time.perf_counter() - start:.2f} s" if arrivals else "before any byte"
         return {"ok": False, "status": type(e).__name__, "error": f"{type(e).__name__} {when}: {e!r}"[:300]}
     wall = time.perf_counter() - start
@@ -90,32 +153,34 @@ async def _one(client, cfg: ServeBenchConfig, seed: int) -> dict:
 
 
 async def _users(cfg: ServeBenchConfig, users: range, barrier=None) -> tuple[list[dict], float, float]:
-    """Each user (a client) makes ``requests_per_stream`` requests in a row: every result (in no order), and the
-    ``perf_counter`` and ``process_time`` when the timed part began.
+    """Each user (a client) makes ``requests_per_stream`` requests in a row on a connection of its own: every
+    result (in no order), and the ``perf_counter`` and ``process_time`` when the timed part began.
 
-    Before it the client is built and one connection per user opened (a ``GET /health`` each, at once), then
-    ``barrier`` (if any) is waited for, so a level times the server and not the clients' own start: 16 client
-    processes started together each build an HTTP client (an SSL context) and connect their streams on the
-    cores the server uses."""
-    import httpx
+    Before it each user's connection is opened (a ``GET /health`` each, at once), then ``barrier`` (if any) is
+    waited for, so a level times the server and not the clients' own start: 16 client processes started
+    together connect their streams on the cores the server uses."""
+    conns = [_Connection(cfg.url) for _ in users]
 
-    n = len(users)
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as client:
-        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-        # a failed warm-up request is not fatal: the timed ones fail too and are counted
-        await asyncio.gather(*(client.get(cfg.url + "/health", headers=headers) for _ in users), return_exceptions=True)
-        if barrier is not None:
-            await asyncio.to_thread(barrier.wait)
-        start, cpu = time.perf_counter(), time.process_time()
+    async def warm(conn: _Connection) -> None:
+        await conn.request("GET", "/health", {})
+        async for _ in conn.body():
+            pass
 
-        async def user(u: int) -> list[dict]:
-            results = []
-            for k in range(cfg.requests_per_stream):
-                results.append({**await _one(client, cfg, u * cfg.requests_per_stream + k), "nth": k})
-            return results
+    # a failed warm-up request is not fatal: the timed ones fail too and are counted
+    await asyncio.gather(*(warm(conn) for conn in conns), return_exceptions=True)
+    if barrier is not None:
+        await asyncio.to_thread(barrier.wait)
+    start, cpu = time.perf_counter(), time.process_time()
 
-        return [r for rs in await asyncio.gather(*(user(u) for u in users)) for r in rs], start, cpu
+    async def user(u: int, conn: _Connection) -> list[dict]:
+        results = []
+        for k in range(cfg.requests_per_stream):
+            results.append({**await _one(conn, cfg, u * cfg.requests_per_stream + k), "nth": k})
+        await conn.close()
+        return results
+
+    return [r for rs in await asyncio.gather(*(user(u, c) for u, c in zip(users, conns, strict=True))) for r in rs], \
+        start, cpu
 
 
 def _client_process(cfg: ServeBenchConfig, users: range, barrier, out) -> None:
@@ -177,7 +242,7 @@ def _gather(out, workers, timeout_s: float) -> list:
 
 def _summary(n: int, results: list[dict], wall: float, cpu: list[float], trace: bool = False) -> dict:
     ok = [r for r in results if r["ok"]]
-    traced = {"traced": [{k: r[k] for k in ("id", "nth", "sent", "head", "ttfa", "wall")} for r in ok]} if trace else {}
+    traced = {"traced": [{k: r[k] for k in ("id", "nth", "sent", "head", "ttfa", "wall", "audio_s")} for r in ok]} if trace else {}
     pct = (lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan"))  # noqa: E731
     return dict(streams=n, requests=len(results), failures=len(results) - len(ok),
                 statuses=sorted({str(r["status"]) for r in results}),
