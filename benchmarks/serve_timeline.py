@@ -417,6 +417,7 @@ def start_split_server(chat, config) -> str:
 
     import httpx
 
+    from chattts_velocity.server.prepare import SpeechKit
     from chattts_velocity.server.split import _Host
 
     ctx = mp.get_context("spawn")
@@ -428,7 +429,7 @@ def start_split_server(chat, config) -> str:
         port = sock.getsockname()[1]
     ctx.Process(target=_front, args=(cmd, events, audio, config, port), daemon=True).start()
     host = _Host(chat, config, events_out, audio_out)
-    host.send(("ready", {"device": str(chat.device)}))
+    host.send(("ready", {"device": str(chat.device), "kit": SpeechKit.of(chat)}))
     threading.Thread(target=host.serve, args=(cmd_in,), name="host", daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
