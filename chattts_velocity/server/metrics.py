@@ -35,8 +35,8 @@ class Metrics:
         self.ttfa = Histogram("chattts_time_to_first_audio_seconds", "request start to first audio", registry=r,
                               buckets=_TTFA_BUCKETS)
         self.prepare = Histogram("chattts_prepare_seconds", "a speech request's preparation (text, voice, "
-                                 "validation; with --engine-process the round trip to the engine process, which the "
-                                 "response headers wait for)", registry=r, buckets=_PREPARE_BUCKETS)
+                                 "tokens, validation: what the response headers wait for; with --engine-process a "
+                                 "refine request's round trip to the engine process)", registry=r, buckets=_PREPARE_BUCKETS)
         self.rtf = Histogram("chattts_real_time_factor", "seconds of audio per second of wall time", registry=r,
                              buckets=_RTF_BUCKETS)
         self.gc_pause = Histogram("chattts_gc_pause_seconds", "Python garbage collections (the process stands "

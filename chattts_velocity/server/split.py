@@ -368,10 +368,7 @@ class EngineProcess:
         """Submit a request to be prepared in the engine process (one with a refine pass, which needs the
         engine); its audio once the engine process accepted it. Raises what preparing it raised
         there: ``UnknownVoiceError``, ``ValueError`` (bad input), ``EngineGoneError``, ``RuntimeError``."""
-        rid = f"r{next(self._ids)}"
-        audio = RemoteAudio(self, rid)
-        with self._lock:
-            self._audio[rid] = audio
+        rid, audio = self._open()
         try:
             error = await self._request(rid, ("submit", rid, body.model_dump()))
         except BaseException:
@@ -384,6 +381,14 @@ class EngineProcess:
             raise (UnknownVoiceError if kind == "voice" else ValueError if kind == "input" else RuntimeError)(message)
         return audio
 
+    def _open(self) -> tuple[str, RemoteAudio]:
+        """A new request id and its audio, which the reader threads now feed."""
+        rid = f"r{next(self._ids)}"
+        audio = RemoteAudio(self, rid)
+        with self._lock:
+            self._audio[rid] = audio
+        return rid, audio
+
     @property
     def kit(self) -> SpeechKit:
         """What the front prepares requests with (``prepare.prepare_prompts``), from the engine process."""
@@ -392,10 +397,7 @@ class EngineProcess:
     def run(self, prompts, params) -> RemoteAudio:
         """Start a request prepared here (``prepare.prepare_prompts``) in the engine process; its audio, at
         once (no acknowledgement is waited for). Raises ``EngineGoneError``."""
-        rid = f"r{next(self._ids)}"
-        audio = RemoteAudio(self, rid)
-        with self._lock:
-            self._audio[rid] = audio
+        rid, audio = self._open()
         try:
             self._send(("run", rid, _arrays(prompts), params))
         except EngineGoneError:
