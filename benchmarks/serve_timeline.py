@@ -105,7 +105,7 @@ def reset(log) -> None:
             v.clear()
 
 
-def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 1) -> dict:
+def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 1, events: bool = False) -> dict:
     """The same load over HTTP: ``chattts-velocity bench serve`` (a process of its own, which splits the streams
     over ``clients`` client processes started together) against the server that runs in this process on the
     instrumented engine."""
@@ -137,7 +137,24 @@ def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 
                 child_after.ru_utime + child_after.ru_stime - child.ru_utime - child.ru_stime, 2),
             "server_process_cpu_s": round(own_after.ru_utime + own_after.ru_stime - own.ru_utime - own.ru_stime, 2),
             **engine_thread(log, wall), "request_phases": request_phases(chat, phases, begin, wall),
-            "http_phases": http_phases(row["traced"], stamps)}
+            "http_phases": http_phases(row["traced"], stamps), **(raw_events(chat, log, begin) if events else {})}
+
+
+def raw_events(chat, log, begin: float) -> dict:
+    """The level's engine-thread events and per-request milestones (seconds from the level's start), to follow
+    one slow request through the steps and audio rounds around it."""
+    def rel(t):
+        return None if t is None else round(t - begin, 5)
+
+    return {"events": {
+        "steps (start, end, outputs, waiting, running, window, prompt tokens)":
+            [(rel(a), rel(b), n, wt, r, w, pt) for a, b, n, wt, r, w, pt in log["steps"] if b >= begin],
+        "rounds (start, end)": [(rel(a), rel(b)) for a, b in log["wakes"] if b >= begin],
+        "decodes (start, end, windows, lengths)": [(rel(a), rel(b), n, ls) for a, b, n, ls in log["decodes"]
+                                                   if b >= begin],
+        "requests (id, queued, first token, first audio, finished)": [
+            (rid, rel(t.queued), rel(t.first_token), rel(t.first_audio), rel(t.finished))
+            for rid, t in chat.engine.stats().requests.items() if t.queued >= begin]}}
 
 
 def http_phases(requests: list[dict], stamps: dict) -> dict:
@@ -467,6 +484,8 @@ def main() -> None:
     ap.add_argument("--min-new-token", type=int, default=0,
                     help="with --http: the server's min_new_token (--tokens: every request as long; the in-process "
                          "levels always are)")
+    ap.add_argument("--events", action="store_true",
+                    help="with --http: keep each level's raw engine-thread events and request milestones in the JSON")
     args = ap.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -476,7 +495,9 @@ def main() -> None:
     if args.http:  # what `serve` runs before it listens (the window-decode graphs, the engine's shapes)
         from chattts_velocity.server.run import warm_up
 
+        t0 = time.perf_counter()
         warm_up(chat)
+        print(f"server warm-up {time.perf_counter() - t0:.1f} s", flush=True)
     level(chat, log, 2, 1, 64)  # warm-up
     if args.http:
         config = ServerConfig(max_concurrent=max(args.streams), max_queue=4 * max(args.streams),
@@ -487,10 +508,10 @@ def main() -> None:
         chat._velocity.pump.round_interval_s = interval
         for clients in args.clients if args.http else [1]:
             for n in args.streams:
-                row = (level_http(chat, log, url, n, args.requests, clients) if args.http
+                row = (level_http(chat, log, url, n, args.requests, clients, args.events) if args.http
                        else level(chat, log, n, args.requests, args.tokens))
                 row = {"round_interval_s": interval, **row}
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "events"}), flush=True)
                 rows.append(row)
     if args.json:
         with open(args.json, "w") as f:

@@ -301,12 +301,15 @@ def test_use_graphs_is_a_no_op_off_cuda(ours):
 
 
 def test_decode_graphs_take_only_their_lengths_and_buckets(ours):
-    """A batch of another window length, or larger than the largest bucket, has no graph (``run`` returns
-    None and ``to_wavs`` decodes it eagerly); the rest go to the smallest bucket that holds them."""
-    from chattts_velocity.audio.graphs import BATCH_BUCKETS, DecodeGraphs
+    """The window lengths replay in every batch bucket, the other lengths below the longest (a short stream's
+    last windows) in the few-window buckets, a batch past a length's largest bucket in slices of it; a longer
+    window has no graph (``run`` returns None and ``to_wavs`` decodes it eagerly)."""
+    from chattts_velocity.audio.graphs import BATCH_BUCKETS, SHORT_BUCKETS, DecodeGraphs
 
     graphs = DecodeGraphs(ours.decoder, ours.vocos, torch.device("cpu"), (16, 48))
     hidden = 2 * ours.decoder.config.decoder.idim
-    assert graphs.run(torch.zeros(2, hidden, 20), True) is None
-    assert graphs.run(torch.zeros(BATCH_BUCKETS[-1] + 1, hidden, 16), True) is None
-    assert [graphs.bucket(b, 48) for b in (1, 3, 37, 256)] == [1, 4, 64, 256] and graphs.bucket(3, 17) is None
+    assert graphs.run(torch.zeros(2, hidden, 49), True) is None
+    assert graphs.short_lengths == frozenset(range(1, 48)) - {16}
+    assert [graphs.bucket(b, 48) for b in (1, 3, 37, 256, 300)] == [1, 4, 64, 256, 256]
+    assert [graphs.bucket(b, 17) for b in (1, 3, 8, 9)] == [1, 4, 8, 8] and graphs.bucket(1, 49) is None
+    assert graphs.buckets(16) == BATCH_BUCKETS and graphs.buckets(1) == SHORT_BUCKETS and graphs.buckets(0) == ()

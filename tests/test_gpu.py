@@ -72,7 +72,10 @@ def test_window_decode_graphs_equal_the_eager_decode(cuda_pair):
     eager decode of the same padded batch, with the decoder's TF32 on and off. (Not the unpadded batch: the
     batch size picks other cuDNN kernels, and torch's default runs convolutions in TF32 even with the
     decoder's TF32 off: 37 windows against 64 differed by 2% of the peak on the tiny random checkpoint.)
-    Lengths without a graph still decode eagerly."""
+    A short length (below the longest window) replays in the few-window buckets, a batch past them slice by
+    slice; a length past the longest still decodes eagerly."""
+    from chattts_velocity.audio.graphs import SHORT_BUCKETS
+
     ours, _ = cuda_pair
     audio = ours.audio
     hidden = 2 * audio.decoder.config.decoder.idim
@@ -82,20 +85,27 @@ def test_window_decode_graphs_equal_the_eager_decode(cuda_pair):
         audio.use_graphs((16, 48))
         assert audio.graphs is not None
         for tf32 in (True, False):
-            for batch, length in ((1, 16), (3, 48), (37, 16), (5, 20)):
+            for batch, length in ((1, 16), (3, 48), (37, 16), (5, 20), (11, 7), (2, 50)):
                 windows = list(torch.randn(batch, length, hidden, device="cuda", generator=gen))
-                bucket = audio.graphs.bucket(batch, length) or batch
                 graphed = audio.to_wavs(windows, True, tf32)
                 graphs, audio.graphs = audio.graphs, None
-                padded = audio.to_wavs(windows + [torch.zeros_like(windows[0])] * (bucket - batch), True, tf32)
+                padded = []  # each slice of a bucket's windows, padded to its bucket, decoded eagerly
+                for i in range(0, batch, graphs.bucket(batch, length) or batch):
+                    part = windows[i : i + (graphs.bucket(batch, length) or batch)]
+                    bucket = graphs.bucket(len(part), length) or len(part)
+                    padded.append(audio.to_wavs(part + [torch.zeros_like(part[0])] * (bucket - len(part)), True,
+                                                tf32)[: len(part)])
+                padded = np.concatenate(padded)
                 eager = audio.to_wavs(windows, True, tf32)
                 audio.graphs = graphs
                 scale = float(np.abs(eager).max())
                 assert graphed.shape == eager.shape == (batch, (2 * length - 1) * 256)
-                assert np.abs(graphed - padded[:batch]).max() <= 1e-5 * scale, (tf32, batch, length)
-                if bucket == batch:  # no padding: the eager call itself
+                assert np.abs(graphed - padded).max() <= 1e-5 * scale, (tf32, batch, length)
+                if graphs.bucket(batch, length) in (batch, None):  # no padding: the eager call itself
                     assert np.abs(graphed - eager).max() <= 1e-5 * scale, (tf32, batch, length)
-        assert {(t, b) for t, b, _ in audio.graphs._graphs} == {(16, 1), (48, 4), (16, 64)}
-        assert len(audio.graphs._graphs) == 6  # each in TF32 and in float32
+        assert {(t, b) for t, b, _ in audio.graphs._graphs} == {(16, 1), (48, 4), (16, 64), (20, 8), (7, 8),
+                                                                  (7, 4)}
+        assert len(audio.graphs._graphs) == 12  # each in TF32 and in float32
+        assert SHORT_BUCKETS[-1] == 8
     finally:
         audio.graphs = saved

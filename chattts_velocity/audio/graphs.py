@@ -27,7 +27,14 @@ from .dvae import DVAE
 logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-"""Batch sizes a graph is captured for; a batch runs in the smallest bucket that holds it (larger: eagerly)."""
+"""Batch sizes a graph is captured for; a batch runs in the smallest bucket that holds it (a larger one in
+slices of the largest)."""
+SHORT_BUCKETS = (1, 2, 4, 8)
+"""Batch sizes captured for the other lengths up to the longest window: only a stream shorter than a window
+length ends in one of them (its last windows cannot take more left context), a few streams a round. Eagerly,
+such a call cost 25-113 ms in a round under a server's load (H100, 64 streams of random lengths, new shapes:
+`python benchmarks/serve_timeline.py --http --split --streams 64 --requests 4 --clients 16 --events`), and the
+round, which every request's first audio in it waits for, with it."""
 
 
 def istft_center(spec: Tensor, n_fft: int, hop: int, window: Tensor, envelope: Tensor | None = None) -> Tensor:
@@ -70,37 +77,50 @@ class DecodeGraphs:
     def __init__(self, decoder: DVAE, vocos: Vocos, device: torch.device, lengths: Iterable[int]):
         self.decoder, self.vocos, self.device = decoder, vocos, device
         self.lengths = frozenset(lengths)
-        """Window lengths (tokens) that run as graphs; others run eagerly (the last windows of a stream shorter
-        than its longest window: the others take more context to one of these, see ``AudioStream``)."""
+        """Window lengths (tokens) of a stream's windows: graphs of every batch bucket (``BATCH_BUCKETS``)."""
+        self.short_lengths = frozenset(range(1, max(self.lengths, default=0))) - self.lengths
+        """The other lengths below the longest: graphs of a few windows (``SHORT_BUCKETS``), for the last
+        windows of the streams shorter than a window length (the others take more context to one of
+        ``lengths``, see ``AudioStream``). Longer windows run eagerly."""
         self.width = 2 * decoder.config.decoder.idim
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
         """(length, bucket, tf32) -> the graph, its input and output buffers, and the envelope it reads (held
         here: a graph reads its tensors' memory, which must outlive it)."""
         self._pool = None
 
+    def buckets(self, length: int) -> tuple[int, ...]:
+        """The batch buckets captured for windows of ``length`` tokens (none: eager)."""
+        return BATCH_BUCKETS if length in self.lengths else SHORT_BUCKETS if length in self.short_lengths else ()
+
     def bucket(self, batch: int, length: int) -> int | None:
-        """The bucket a batch of ``batch`` windows of ``length`` tokens replays in, or None (eager)."""
-        if length not in self.lengths:
-            return None
-        return next((b for b in BATCH_BUCKETS if b >= batch), None)
+        """The bucket a batch of ``batch`` windows of ``length`` tokens replays in (the largest, slice by
+        slice, past it), or None (eager)."""
+        buckets = self.buckets(length)
+        return next((b for b in buckets if b >= batch), buckets[-1]) if buckets else None
 
     def run(self, x: Tensor, tf32: bool) -> Tensor | None:
-        """Windows [B, H, T] -> wav [B, S]: a view of the graph's output buffer, valid until the next replay of
-        that graph (copy it out before); None if no graph takes this shape (T not one of ``lengths``, or B
-        past the largest bucket)."""
+        """Windows [B, H, T] -> wav [B, S], or None if no graph takes windows of T tokens. A batch that fits a
+        bucket returns a view of the graph's output buffer, valid until the next replay of that graph (copy it
+        out before); a larger one runs in slices of the largest bucket, into a tensor of its own."""
         b, _, t = x.shape
         bucket = self.bucket(b, t)
         if bucket is None:
             return None
         graph, inp, out, _ = self._graphs.get((t, bucket, tf32)) or self._capture(t, bucket, tf32)
-        inp[:b].copy_(x)
-        inp[b:].zero_()
-        graph.replay()
-        return out[:b]
+        if b <= bucket:
+            inp[:b].copy_(x)
+            inp[b:].zero_()
+            graph.replay()
+            return out[:b]
+        wav = torch.empty((b, out.shape[1]), dtype=out.dtype, device=out.device)
+        for i in range(0, b, bucket):  # each slice's wav copied out before the next replay (one stream: in order)
+            wav[i : i + bucket].copy_(self.run(x[i : i + bucket], tf32))
+        return wav
 
-    def capture(self, tf32: bool, buckets: Iterable[int] = BATCH_BUCKETS) -> None:
-        for t in sorted(self.lengths):
-            for b in buckets:
+    def capture(self, tf32: bool) -> None:
+        """Capture every graph not captured yet (every length's buckets)."""
+        for t in sorted(self.lengths | self.short_lengths):
+            for b in self.buckets(t):
                 if (t, b, tf32) not in self._graphs:
                     self._capture(t, b, tf32)
 

@@ -95,9 +95,9 @@ class AudioStream:
 
     A window that the stream's end cuts short (its look-ahead, or its chunk) starts earlier instead, by as many
     tokens as bring it to the next of ``StreamConfig.window_lengths`` (when the stream has them): more left
-    context is only closer to the offline audio, and the usual lengths are the ones the wav decode runs as CUDA
-    graphs, where an odd length would run eagerly (on an H100 under load about 5 ms a call, against 2 for a
-    graph of up to 32 windows), once for every length a round meets."""
+    context is only closer to the offline audio, and the windows of a round share a few lengths, each one
+    decode call (the wav decode's CUDA graphs take every length up to the longest window, the odd ones for a
+    few windows a call: ``audio.graphs``)."""
 
     def __init__(self, config: StreamConfig | None = None):
         self.config = config or StreamConfig()
