@@ -126,7 +126,9 @@ def test_sse_events_in_order_ending_with_done(server, reference_seconds):
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
     types = [e["type"] for e in events]
-    assert types[-1] == "speech.audio.done" and set(types[:-1]) == {"speech.audio.delta"} and len(types) > 2
+    # how many deltas depends on timing (every chunk ready when the reader comes goes out in one event: on a
+    # slow box the whole 0.4 s can be one); the order and the audio do not
+    assert types[-1] == "speech.audio.done" and set(types[:-1]) == {"speech.audio.delta"} and len(types) >= 2
     audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert abs(len(audio) / 2 / 24000 - reference_seconds) < 1e-3
     assert events[-1]["usage"]["output_tokens"] > 0
