@@ -251,9 +251,9 @@ def test_pipelined_decode_windows_match_single_steps(chat, make_engine):
     ps = [sampled(50 + i, min_new_tokens=3, max_new_tokens=20 + 9 * i) for i in range(4)]
     ps[1] = sampled(51, min_new_tokens=23, max_new_tokens=23)  # ends by its length limit
 
-    def generate(window: int, **kw) -> tuple[list, int]:
+    def generate(window: int, ahead: bool = False, **kw) -> tuple[list, int, int]:
         engine = make_engine(num_decode_steps=window, pipeline_decode=True, **kw)  # off by default on CPU
-        launches = []
+        launches, launched_ahead = [], 0
         record_windows(engine, lambda window, continuing: launches.append(continuing))
         for i in range(3):
             engine.add_request(f"r{i}", code_prompt(chat, texts[i]), ps[i])
@@ -263,17 +263,57 @@ def test_pipelined_decode_windows_match_single_steps(chat, make_engine):
             if steps == 4:  # arrives while a window is in flight
                 engine.add_request("r3", code_prompt(chat, texts[3]), ps[3])
             done.update((o.request_id, o) for o in engine.step() if o.finished)
-        return [done[f"r{i}"] for i in range(4)], sum(launches)
+            if ahead:  # as the engine thread does before an audio round
+                launched_ahead += engine.launch_ahead()
+        return [done[f"r{i}"] for i in range(4)], sum(launches), launched_ahead
 
-    single, _ = generate(1)
-    piped, continued = generate(4)
-    prefill_first, _ = generate(4, prefill_first=True)
+    single, _, _ = generate(1)
+    piped, continued, _ = generate(4)
+    prefill_first, _, _ = generate(4, prefill_first=True)
+    ahead, _, launched_ahead = generate(4, ahead=True, prefill_first=True)
     assert continued >= 3, "some windows must have been queued behind the previous one"
+    assert launched_ahead >= 2, "the arrival's prompt step and its short first window are launched ahead"
     assert {out.finish_reason for out in single} == {FinishReason.EOS, FinishReason.LENGTH}
-    for a, b, c in zip(single, piped, prefill_first, strict=True):
-        for other in (b, c):
+    for a, b, c, d in zip(single, piped, prefill_first, ahead, strict=True):
+        for other in (b, c, d):
             assert torch.equal(a.token_ids, other.token_ids) and a.finish_reason == other.finish_reason
             torch.testing.assert_close(a.hidden_states, other.hidden_states, atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_launched_ahead_is_aborted_or_fails_like_any_step(chat, make_engine):
+    """``launch_ahead`` launches only what leads to first audio (a prompt step, a short first window), not
+    a full window; a request aborted while its prompt step was launched ahead frees its blocks; a launch
+    that fails is the next step's failure (a batch of one: that request fails, the engine goes on)."""
+    engine = make_engine(block_size=4, num_decode_steps=4, first_window_tokens=3, pipeline_decode=True,
+                         prefill_first=True)
+    bm = engine.block_manager
+    assert not engine.launch_ahead(), "nothing to run"
+    engine.add_request("a", code_prompt(chat, "launched ahead"), params(min_new_tokens=12, max_new_tokens=12))
+    assert engine.launch_ahead() and not engine.launch_ahead(), "one step at a time"
+    assert engine.abort_request("a")
+    (out,) = engine.step()
+    assert out.finish_reason is FinishReason.ABORT and bm.num_free_blocks == bm.num_blocks
+
+    engine.add_request("b", code_prompt(chat, "runs"), params(min_new_tokens=12, max_new_tokens=12))
+    engine.step()  # its prompt step: one token
+    assert engine.launch_ahead(), "its short first window (2 of 4 steps) leads to first audio"
+    engine.step()
+    assert not engine.launch_ahead(), "a full window is not launched ahead"
+    launch = engine.worker.launch
+
+    def broken(plan):
+        raise RuntimeError("launch failed")
+
+    engine.add_request("c", code_prompt(chat, "fails"), params(min_new_tokens=4, max_new_tokens=4))
+    engine.worker.launch = broken
+    assert engine.launch_ahead()
+    engine.worker.launch = launch
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["c"].finish_reason is FinishReason.ERROR and "launch failed" in str(outs["c"].error)
+    reasons = {}
+    while engine.has_unfinished_requests():
+        reasons.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
+    assert reasons == {"b": FinishReason.LENGTH} and bm.num_free_blocks == bm.num_blocks
 
 
 def test_different_seeds_give_different_audio_and_unseeded_uses_fresh_seeds(chat, make_engine):

@@ -350,15 +350,10 @@ class AsyncLLMEngine:
                 if self._stopping and not (self._new or self._aborts or engine.has_unfinished_requests()):
                     self._lock.notify_all()
                     return
-                new, self._new = self._new, []
-                aborts, self._aborts = self._aborts, []
                 if self._idle:
                     self._beat = time.monotonic()
                 self._idle = False
-            for seq, _ in new:
-                engine.add_sequence(seq)
-            for rid in aborts:
-                engine.abort_request(rid)
+            self._take_pending()
             try:
                 outputs = engine.step()
             except Exception as err:  # noqa: BLE001 - the engine failed outside any one batch: fail everyone
@@ -379,8 +374,25 @@ class AsyncLLMEngine:
         for out, stream in zip(outputs, streams, strict=True):
             if stream is not None:
                 stream._put(out, now)
-        for listener in {id(s._listener): s._listener for s in streams if s is not None and s._listener}.values():
+        listeners = {id(s._listener): s._listener for s in streams if s is not None and s._listener}
+        if listeners:  # the next step, if it leads to first audio, computes on the device during the round
+            self._take_pending()
+            try:
+                self.engine.launch_ahead()
+            except Exception:  # noqa: BLE001 - (it reports its own failures to the next step) the loop goes on
+                logger.exception("launching the next step ahead failed")
+        for listener in listeners.values():
             listener.wake()  # once per step: the audio of every stream of this step is decoded in one round
+
+    def _take_pending(self) -> None:
+        """Hand the requests submitted and aborted since the last step to the engine."""
+        with self._lock:
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        for seq, _ in new:
+            self.engine.add_sequence(seq)
+        for rid in aborts:
+            self.engine.abort_request(rid)
 
     def _fail_all(self, err: Exception) -> list[RequestOutput]:
         outputs = []

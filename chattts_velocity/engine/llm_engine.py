@@ -69,6 +69,8 @@ class LLMEngine:
         pipeline = config.pipeline_decode
         self._pipeline = cuda if pipeline is None else pipeline
         self._window: Window | None = None
+        self._ahead_failure: Exception | None = None
+        """What ``launch_ahead`` raised: the next ``step`` reports it as its own."""
         """A decode window queued on the device whose tokens the next ``step`` reads."""
         self._ids = itertools.count()
         dev = self.worker.device
@@ -183,20 +185,46 @@ class LLMEngine:
             yield
         stream.synchronize()
 
+    def launch_ahead(self) -> bool:
+        """Launch the next step now, when nothing is queued and it brings sequences to their first audio
+        (``Scheduler.before_first_audio``: prompts, a short first window): the device computes it while the
+        caller does host work (the audio round of the step before, 15-27 ms a full round under a server's load
+        on an H100, during which a step launched after it waited), and the next ``step`` reads it. Only where
+        windows are pipelined (``EngineConfig.pipeline_decode``: CUDA). Whether it launched one."""
+        if not self._pipeline or self._window is not None or not self.scheduler.before_first_audio():
+            return False
+        try:
+            self._window = self._launch()
+        except Exception as err:  # noqa: BLE001 - the next step reports it, as if it had failed there
+            self._ahead_failure = err
+            return True
+        return self._window is not None
+
+    def _launch(self) -> Window | None:
+        """Schedule a step and launch it (None: nothing to run)."""
+        self._batch = []
+        plan = self.scheduler.schedule()
+        self._batch = [item.seq for item in plan.scheduled]
+        if not plan.scheduled:
+            return None
+        self._count(plan)
+        window = self.worker.launch(plan)
+        if not window.decode:  # a decode's one token is counted with its sample (``Scheduler.accept``)
+            self.scheduler.computed(plan.scheduled)
+        return window
+
     def _run_step(self) -> list[Sequence]:
-        """Schedule and launch one step (or take the window queued behind the last one), queue the batch's next
-        window behind a decode window when the scheduler grants it, and hand the step's tokens to the
-        scheduler: the sequences that sampled tokens."""
+        """Schedule and launch one step (or take the window queued behind the last one, or launched ahead),
+        queue the batch's next window behind a decode window when the scheduler grants it, and hand the step's
+        tokens to the scheduler: the sequences that sampled tokens."""
+        if self._ahead_failure is not None:  # ``_batch`` is still the batch it failed on
+            err, self._ahead_failure = self._ahead_failure, None
+            raise err
         window, self._window = self._window, None
         if window is None:
-            plan = self.scheduler.schedule()
-            self._batch = [item.seq for item in plan.scheduled]
-            if not plan.scheduled:
+            window = self._launch()
+            if window is None:
                 return []
-            self._count(plan)
-            window = self.worker.launch(plan)
-            if not window.decode:  # a decode's one token is counted with its sample (``Scheduler.accept``)
-                self.scheduler.computed(plan.scheduled)
         else:
             self._batch = list(window.seqs)
         if window.decode:

@@ -82,6 +82,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def before_first_audio(self) -> bool:
+        """Whether the next step serves sequences on their way to their first audio: prompts to compute
+        (waiting requests, a chunked prompt's rest) or an audio sequence younger than ``first_window_tokens``
+        (its short first window). Such a step is short, and a stream's first audio waits for it."""
+        return bool(self.waiting) or any(
+            not _decodes(seq) or (not seq.text_mode and seq.num_generated < self.first_window_tokens)
+            for seq in self.running)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.prefill_first:  # prompts to compute (waiting, or chunked ones running): a step of their own
