@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine_helpers import make_seq
 
 from chattts_velocity.engine.block_manager import BlockSpaceManager
-from chattts_velocity.engine.scheduler import Scheduler
+from chattts_velocity.engine.scheduler import MIN_CAPPED_STEPS, Scheduler
 from chattts_velocity.engine.sequence import FinishReason, SequenceStatus
 
 
@@ -199,8 +199,8 @@ def test_mixed_audio_and_text_decodes_take_turns_in_windows():
 
 
 def test_max_window_tokens_shortens_the_windows_of_large_batches():
-    """steps x sequences stays within max_window_tokens (never fewer than 2 steps, never more than
-    num_decode_steps); without the cap every batch runs num_decode_steps."""
+    """steps x sequences stays within max_window_tokens (never fewer than MIN_CAPPED_STEPS steps, never more
+    than num_decode_steps); without the cap every batch runs num_decode_steps."""
 
     def window_after_prefill(batch: int, cap):
         bm = BlockSpaceManager(4096, 4, 0.0)
@@ -213,9 +213,12 @@ def test_max_window_tokens_shortens_the_windows_of_large_batches():
         return out.num_steps
 
     assert [window_after_prefill(n, None) for n in (1, 8, 40)] == [32, 32, 32]
-    assert [window_after_prefill(n, 128) for n in (1, 4, 8, 40, 64)] == [32, 32, 16, 3, 2]
-    sched = Scheduler(BlockSpaceManager(16, 4, 0.0), 8, 64, num_decode_steps=8, max_window_tokens=100)
-    assert [sched.window_steps(n) for n in (1, 12, 13, 50, 51, 1000)] == [8, 8, 7, 2, 2, 2]
+    assert MIN_CAPPED_STEPS == 8
+    assert [window_after_prefill(n, 256) for n in (1, 8, 16, 40, 64)] == [32, 32, 16, 8, 8]
+    sched = Scheduler(BlockSpaceManager(16, 4, 0.0), 8, 64, num_decode_steps=32, max_window_tokens=100)
+    assert [sched.window_steps(n) for n in (1, 3, 4, 12, 13, 1000)] == [32, 32, 25, 8, 8, 8]
+    sched = Scheduler(BlockSpaceManager(16, 4, 0.0), 8, 64, num_decode_steps=4, max_window_tokens=100)
+    assert [sched.window_steps(n) for n in (1, 50, 1000)] == [4, 4, 4]  # the floor never lengthens a window
 
 
 def test_continue_window_reserves_the_next_window_only_when_the_batch_cannot_change():
