@@ -37,7 +37,7 @@ class EngineConfig:
     (two with ``pipeline_decode``)."""
     max_window_tokens: int | None = None
     """Most tokens one decode window computes (steps x sequences): a larger batch runs shorter windows, never
-    fewer than 2 steps nor more than ``num_decode_steps``. A request that arrives while a window runs waits for
+    fewer than 8 steps (``scheduler.MIN_CAPPED_STEPS``) nor more than ``num_decode_steps``. A request that arrives while a window runs waits for
     it, so under a server's load (hundreds of sequences, a few ms a step) a 32-step window is a wait of a
     tenth of a second or more; capping the tokens caps that wait at about the time a few thousand tokens take.
     None: always ``num_decode_steps`` (best throughput)."""
