@@ -182,6 +182,54 @@ def test_joined_stream_read_without_blocking_gives_the_same_audio(chat):
     assert engine_is_idle(chat)
 
 
+def test_joined_stream_started_early_runs_before_its_first_next_with_the_same_audio(chat):
+    """``start`` (what a server's handler calls before the headers go out): the first texts are submitted and
+    their feed is open before any ``next``, so the engine works and the callback comes meanwhile; the audio
+    read afterwards is the same. A started stream cancelled before its first ``next`` aborts its requests."""
+    import threading
+    import time
+
+    from chattts_velocity.audio.pump import PENDING
+
+    texts = ["first sentence here", "second one", "and a third"]
+    p = Chat.InferCodeParams(manual_seed=7, max_new_token=40, min_new_token=20, show_tqdm=False)
+    path = chat._velocity
+    blocking = np.concatenate(list(path.stream_joined(texts, p, in_flight=2)))
+
+    submitted = chat.engine.stats().num_requests
+    audio = path.stream_joined(texts, p, in_flight=2)
+    woken = threading.Event()
+    audio.on_ready(woken.set)
+    audio.start()
+    assert chat.engine.stats().num_requests == submitted + 2, "the first two texts are submitted at start"
+    assert woken.wait(60), "the engine's news comes before the first next"
+    chunks = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        woken.clear()
+        try:
+            chunk = next(audio)
+        except StopIteration:
+            break
+        if chunk is PENDING:
+            assert woken.wait(30), "no notify after PENDING"
+        else:
+            chunks.append(chunk)
+    else:
+        pytest.fail("the started stream did not end")
+    got = np.concatenate(chunks)
+    assert got.size == blocking.size and np.allclose(got, blocking, rtol=0, atol=1e-5)
+    assert engine_is_idle(chat)
+
+    long = Chat.InferCodeParams(manual_seed=4, max_new_token=300, min_new_token=300, show_tqdm=False)
+    audio = path.stream_joined(["long one", "long two"], long, in_flight=2)
+    audio.on_ready(lambda: None)
+    audio.start()
+    time.sleep(0.2)
+    audio.cancel()
+    assert engine_is_idle(chat)
+
+
 def test_joined_stream_cancel_from_another_thread_aborts_its_requests(chat):
     import threading
 

@@ -33,28 +33,50 @@ class Admission:
 
 
 class Ticket:
-    """One admitted request: ``slot`` waits for a running slot and holds it; ``cancel`` gives the queue place
-    back if ``slot`` was never entered (idempotent)."""
+    """One admitted request: ``slot`` waits for a running slot and holds it (``take_if_free`` takes it early,
+    in the handler, when one is free); ``cancel`` gives the queue place back if no slot was taken
+    (idempotent), ``release`` a slot taken early whose ``slot`` never came (a body that never started)."""
 
     def __init__(self, admission: Admission):
         self._admission = admission
         self._queued = True
+        self._held = False
 
     def cancel(self) -> None:
         if self._queued:
             self._queued = False
             self._admission.waiting -= 1
 
+    async def take_if_free(self) -> bool:
+        """Take a running slot now if one is free, without waiting (a request then starts before its body)."""
+        adm = self._admission
+        if self._held or adm._slots.locked():
+            return False
+        await adm._slots.acquire()  # free: returns without suspending
+        self._hold()
+        return True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._admission.running -= 1
+            self._admission._slots.release()
+
+    def _hold(self) -> None:
+        self.cancel()
+        self._admission.running += 1
+        self._held = True
+
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
-        adm = self._admission
-        try:
-            await adm._slots.acquire()
-        finally:
-            self.cancel()
-        adm.running += 1
+        if not self._held:
+            try:
+                await self._admission._slots.acquire()
+            except BaseException:
+                self.cancel()
+                raise
+            self._hold()
         try:
             yield
         finally:
-            adm.running -= 1
-            adm._slots.release()
+            self.release()
