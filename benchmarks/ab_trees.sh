@@ -6,7 +6,8 @@
 #   extracts <commit> into ab_base/ (git-ignored through .git/info/exclude) with a `chattts-velocity` launcher
 #   that runs that tree's package; carry "ab_base" (and ".whl") to the GPU machine.
 # On the GPU machine:          ROUNDS=2 STREAMS="1 64 256" bash benchmarks/ab_trees.sh run
-#   writes $OUT/{new,base}<round>/ and prints each level's table row.
+#   writes $OUT/{new,base}<round>/ and prints each level's table row; SERVE_ARGS: more `serve` arguments for
+#   both (e.g. "--min-new-token 500").
 #
 # The launcher runs `python3 -P -m chattts_velocity.cli` with ab_base first on PYTHONPATH. Without -P, `-m`
 # puts the current directory (the working tree's root, where gpu_serve.sh runs) first on sys.path, so the
@@ -36,7 +37,9 @@ run)
             [ "$v" = base ] && path=$PWD/ab_base/bin:$PATH
             mkdir -p "$OUT/$v$round"
             echo "=== $v, round $round ($(date +%T))"
-            PATH=$path OUT=$OUT/$v$round PORT=$((8200 + round)) bash benchmarks/gpu_serve.sh 2>&1 | grep "^| [0-9]" || true
+            # shellcheck disable=SC2086
+            PATH=$path OUT=$OUT/$v$round PORT=$((8200 + round)) bash benchmarks/gpu_serve.sh ${SERVE_ARGS:-} 2>&1 \
+                | grep "^| [0-9]" || true
         done
     done
     ;;
