@@ -134,14 +134,35 @@ def test_joined_stream_is_the_texts_in_order_with_faded_joins(chat):
     assert engine_is_idle(chat)
 
 
+def read_without_blocking(audio, woken) -> tuple[np.ndarray, int]:
+    """Read a joined stream whose ``on_ready`` sets ``woken``, waiting for it after each ``PENDING``: all its
+    samples, and how many ``PENDING`` came."""
+    import time
+
+    from chattts_velocity.audio.pump import PENDING
+
+    chunks, pending = [], 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        woken.clear()
+        try:
+            chunk = next(audio)
+        except StopIteration:
+            return np.concatenate(chunks), pending
+        if chunk is PENDING:
+            pending += 1
+            assert woken.wait(30), "no notify after PENDING"
+        else:
+            chunks.append(chunk)
+    pytest.fail("the non-blocking stream did not end")
+
+
 def test_joined_stream_read_without_blocking_gives_the_same_audio(chat):
     """``on_ready``: ``next`` never waits (PENDING when nothing is there), the callback comes from the engine's
     side whenever a chunk may be there, and the chunks add up to the blocking iteration's samples, a
     join between sentences (opened with outputs already waiting) included."""
     import threading
-    import time
 
-    from chattts_velocity.audio.pump import PENDING
 
     texts = ["first sentence here", "second one", "and a third"]
     p = Chat.InferCodeParams(manual_seed=7, max_new_token=40, min_new_token=20, show_tqdm=False)
@@ -157,22 +178,7 @@ def test_joined_stream_read_without_blocking_gives_the_same_audio(chat):
         woken.set()
 
     audio.on_ready(notify)
-    chunks, pending = [], 0
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        woken.clear()
-        try:
-            chunk = next(audio)
-        except StopIteration:
-            break
-        if chunk is PENDING:
-            pending += 1
-            assert woken.wait(30), "no notify after PENDING"
-        else:
-            chunks.append(chunk)
-    else:
-        pytest.fail("the non-blocking stream did not end")
-    got = np.concatenate(chunks)
+    got, pending = read_without_blocking(audio, woken)
     # the same tokens; windows batched with different neighbours in a decode round differ in the last bits
     assert got.size == blocking.size and np.allclose(got, blocking, rtol=0, atol=1e-5)
     assert pending > 0 and len(calls) >= pending
@@ -189,7 +195,6 @@ def test_joined_stream_started_early_runs_before_its_first_next_with_the_same_au
     import threading
     import time
 
-    from chattts_velocity.audio.pump import PENDING
 
     texts = ["first sentence here", "second one", "and a third"]
     p = Chat.InferCodeParams(manual_seed=7, max_new_token=40, min_new_token=20, show_tqdm=False)
@@ -203,21 +208,7 @@ def test_joined_stream_started_early_runs_before_its_first_next_with_the_same_au
     audio.start()
     assert chat.engine.stats().num_requests == submitted + 2, "the first two texts are submitted at start"
     assert woken.wait(60), "the engine's news comes before the first next"
-    chunks = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        woken.clear()
-        try:
-            chunk = next(audio)
-        except StopIteration:
-            break
-        if chunk is PENDING:
-            assert woken.wait(30), "no notify after PENDING"
-        else:
-            chunks.append(chunk)
-    else:
-        pytest.fail("the started stream did not end")
-    got = np.concatenate(chunks)
+    got, _ = read_without_blocking(audio, woken)
     assert got.size == blocking.size and np.allclose(got, blocking, rtol=0, atol=1e-5)
     assert engine_is_idle(chat)
 
