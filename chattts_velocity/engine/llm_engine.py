@@ -69,9 +69,10 @@ class LLMEngine:
         pipeline = config.pipeline_decode
         self._pipeline = cuda if pipeline is None else pipeline
         self._window: Window | None = None
+        """A decode window queued on the device (or a step launched ahead) whose tokens the next ``step``
+        reads."""
         self._ahead_failure: Exception | None = None
         """What ``launch_ahead`` raised: the next ``step`` reports it as its own."""
-        """A decode window queued on the device whose tokens the next ``step`` reads."""
         self._ids = itertools.count()
         dev = self.worker.device
         self._report_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
