@@ -175,3 +175,60 @@ def test_prompts_cross_the_pipe_as_plain_arrays(upstream_ckpt):
             prepare_prompts(kit, VoiceRegistry(kit), config, request.model_copy(update={"refine_text": True}))
     finally:
         chat.unload()
+
+
+def test_a_request_the_engine_process_refuses_ends_its_audio_with_the_error(upstream_ckpt):
+    """The front prepared and validated a request, but the engine process refuses it all the same: its audio
+    (whose headers are out) ends with the engine's error instead of hanging, and the engine process goes on
+    serving. Both sides in this process, over real pipes, as ``benchmarks/serve_timeline.py --split`` hosts
+    them."""
+    import multiprocessing as mp
+    import threading
+
+    from chattts_velocity import Chat
+    from chattts_velocity.audio.pump import PENDING, take_ready
+    from chattts_velocity.server.config import ServerConfig
+    from chattts_velocity.server.prepare import SpeechKit, prepare_prompts
+    from chattts_velocity.server.schema import SpeechRequest
+    from chattts_velocity.server.split import EngineProcess, _Host
+    from chattts_velocity.server.voices import VoiceRegistry
+
+    chat = Chat()
+    chat.load(source="custom", custom_path=upstream_ckpt, device="cpu")
+    cmd_in, cmd = mp.Pipe(duplex=False)
+    events, events_out = mp.Pipe(duplex=False)
+    audio_in, audio_out = mp.Pipe(duplex=False)
+    config = ServerConfig(max_new_token=40)
+    host = _Host(chat, config, events_out, audio_out)
+    host.send(("ready", {"device": "cpu", "kit": SpeechKit.of(chat)}))
+    threading.Thread(target=host.serve, args=(cmd_in,), daemon=True).start()
+    front = EngineProcess(cmd, events, audio_in)
+    try:
+        front.wait_ready(60)
+        request = SpeechRequest(model="tts-1", voice="alloy", input="Refused by the engine.", seed=1)
+
+        def read(audio) -> tuple[int, Exception | None]:
+            woken = threading.Event()
+            audio.on_ready(woken.set)
+            samples, deadline = 0, time.monotonic() + 60
+            while time.monotonic() < deadline:
+                woken.clear()
+                chunk, end, failure = take_ready(audio)
+                samples += 0 if chunk is None or chunk is PENDING else chunk.size
+                if end:
+                    return samples, failure
+                woken.wait(5)
+            pytest.fail("the audio did not end")
+
+        def refuse(*args, **kwargs):
+            raise ValueError("the engine says no")
+
+        chat._velocity.joined = refuse
+        samples, failure = read(front.run(*prepare_prompts(front.kit, VoiceRegistry(front.kit), config, request)))
+        assert samples == 0 and isinstance(failure, RuntimeError) and "the engine says no" in str(failure)
+        del chat._velocity.joined  # the engine process serves the next request
+        samples, failure = read(front.run(*prepare_prompts(front.kit, VoiceRegistry(front.kit), config, request)))
+        assert failure is None and samples > 0
+    finally:
+        front.close()
+        chat.unload()
