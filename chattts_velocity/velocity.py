@@ -234,6 +234,7 @@ class JoinedAudio:
         self._total = len(seqs)
         self._live: list[RequestStream] = []
         self._first_feed = None  # opened by ``start``, read by the first ``next``
+        self._started = False  # by ``start`` or the first ``next``
         self._cancelled = False
         self._notify = None
         self._chunks = self._run()
@@ -253,10 +254,12 @@ class JoinedAudio:
         """Submit the first texts now instead of at the first ``next``, and open the first one's audio feed (a
         non-blocking one if ``on_ready`` was given before): the engine starts on them while the caller does
         other work first (a server's event loop sending the headers of a burst of requests took 37-43 ms
-        p50 before a body's first ``next``, on an H100 at 64 streams). Call it before the first ``next``."""
+        p50 before a body's first ``next``, on an H100 at 64 streams). After the first ``next`` (or a second
+        time) it does nothing."""
         with self._lock:
-            if self._first_feed is not None or self._cancelled:
+            if self._started or self._cancelled:
                 return
+            self._started = True
         if self._fill() and self._live:
             self._first_feed = self._path._feed(self._live[0], self._use_decoder, self._feed_notify())
 
@@ -288,6 +291,8 @@ class JoinedAudio:
 
     def _run(self) -> Iterator[np.ndarray]:
         path, use_decoder = self._path, self._use_decoder
+        with self._lock:
+            self._started = True  # a ``start`` from now on does nothing
         try:
             while self._waiting or self._live:
                 if not self._fill():
