@@ -14,9 +14,9 @@ from .bench.cli import add_bench_parser
 from .config import SAMPLE_RATE, SAMPLES_PER_TOKEN
 
 SERVE_WINDOW_TOKENS = 2048
-"""``serve``'s default ``EngineConfig.max_window_tokens``. One A/B run each on an H100 (README, "Serve"): at 256
-streams first audio p50/p99 1,251/1,777 -> 1,114/1,255 ms against no cap, but 263 -> 200 audio s per s; not
-settled."""
+"""``serve``'s default ``EngineConfig.max_window_tokens``. Against no cap (one H100, docs/serve-history.md): at
+256 streams first audio p50/p99 1,251/1,777 -> 1,114/1,255 ms, but 263 -> 200 audio s per s; against 1024
+(README, "Serve"): no lower 64-stream tail, less throughput."""
 
 
 def _say(args: argparse.Namespace) -> int:
