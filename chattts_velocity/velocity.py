@@ -246,8 +246,7 @@ class JoinedAudio:
         return next(self._chunks)
 
     def on_ready(self, notify) -> None:
-        """Make ``next`` non-blocking (see the class); ``notify()`` must be cheap and thread-safe. It may be
-        given again (another callback takes over)."""
+        """Make ``next`` non-blocking (see the class); ``notify()`` must be cheap and thread-safe."""
         self._notify = notify
 
     def start(self) -> None:
@@ -261,7 +260,7 @@ class JoinedAudio:
                 return
             self._started = True
         if self._fill() and self._live:
-            self._first_feed = self._path._feed(self._live[0], self._use_decoder, self._feed_notify())
+            self._first_feed = self._path._feed(self._live[0], self._use_decoder, self._notify)
 
     def cancel(self) -> None:
         with self._lock:
@@ -271,12 +270,6 @@ class JoinedAudio:
             stream.close()
 
     close = cancel
-
-    def _feed_notify(self):
-        """The feeds' callback: whichever ``on_ready`` gave last (None: blocking feeds)."""
-        if self._notify is None:
-            return None
-        return lambda: (notify := self._notify) is not None and notify()
 
     def _fill(self) -> bool:
         """Submit waiting texts up to ``in_flight`` live ones; False if cancelled."""
@@ -300,7 +293,7 @@ class JoinedAudio:
                 first = len(self._waiting) + len(self._live) == self._total
                 last = not self._waiting and len(self._live) == 1
                 feed, self._first_feed = self._first_feed, None
-                yield from _faded(path._samples(self._live[0], use_decoder, self._feed_notify(), feed), first, last)
+                yield from _faded(path._samples(self._live[0], use_decoder, self._notify, feed), first, last)
                 with self._lock:
                     done = self._live.pop(0)
                     if self._cancelled:

@@ -206,7 +206,9 @@ def test_joined_stream_started_early_runs_before_its_first_next_with_the_same_au
     woken = threading.Event()
     audio.on_ready(woken.set)
     audio.start()
-    audio.start()  # a second time: nothing more
+    feed = audio._first_feed
+    audio.start()  # a second time: no second feed on the same stream
+    assert feed is not None and audio._first_feed is feed
     assert chat.engine.stats().num_requests == submitted + 2, "the first two texts are submitted at start"
     assert woken.wait(60), "the engine's news comes before the first next"
     got, _ = read_without_blocking(audio, woken)

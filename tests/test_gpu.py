@@ -74,8 +74,6 @@ def test_window_decode_graphs_equal_the_eager_decode(cuda_pair):
     decoder's TF32 off: 37 windows against 64 differed by 2% of the peak on the tiny random checkpoint.)
     A short length (below the longest window) replays in the few-window buckets, a batch past them slice by
     slice; a length past the longest still decodes eagerly."""
-    from chattts_velocity.audio.graphs import SHORT_BUCKETS
-
     ours, _ = cuda_pair
     audio = ours.audio
     hidden = 2 * audio.decoder.config.decoder.idim
@@ -106,6 +104,5 @@ def test_window_decode_graphs_equal_the_eager_decode(cuda_pair):
         assert {(t, b) for t, b, _ in audio.graphs._graphs} == {(16, 1), (48, 4), (16, 64), (20, 8), (7, 8),
                                                                   (7, 4)}
         assert len(audio.graphs._graphs) == 12  # each in TF32 and in float32
-        assert SHORT_BUCKETS[-1] == 8
     finally:
         audio.graphs = saved
