@@ -434,7 +434,6 @@ def start_split_server(chat, config) -> str:
 
     import httpx
 
-    from chattts_velocity.server.prepare import SpeechKit
     from chattts_velocity.server.split import _Host
 
     ctx = mp.get_context("spawn")
@@ -445,9 +444,9 @@ def start_split_server(chat, config) -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx.Process(target=_front, args=(cmd, events, audio, config, port), daemon=True).start()
-    host = _Host(chat, config, events_out, audio_out)
-    host.send(("ready", {"device": str(chat.device), "kit": SpeechKit.of(chat)}))
-    threading.Thread(target=host.serve, args=(cmd_in,), name="host", daemon=True).start()
+    host = _Host(chat, config, [(cmd_in, events_out, audio_out)])
+    host.announce()
+    threading.Thread(target=host.serve, name="host", daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:

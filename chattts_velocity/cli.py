@@ -92,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ValueError(f"the server needs its extras: pip install \"chattts-velocity[server]\" ({e})") from None
     if _scaled(args):
-        if args.engine_process:
+        if args.engine_process or args.fronts > 1:
             raise ValueError("--engine-process runs one engine apart from its HTTP front; with replicas each Ray "
                              "Serve replica is a process of its own already: drop one of the two")
         try:
@@ -105,11 +105,11 @@ def _serve(args: argparse.Namespace) -> int:
     engine = dict(max_num_seqs=args.max_num_seqs or config.max_concurrent * config.in_flight_sentences,
                   kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype or ("float16" if cuda else "float32"),
                   max_window_tokens=_window_tokens(args))
-    if args.engine_process:
+    if args.engine_process or args.fronts > 1:
         from .server.run import serve_split
 
         return serve_split({**_weights(args), **engine}, config, host=args.host, port=args.port,
-                           log_level=args.log_level, threads=args.threads)
+                           log_level=args.log_level, threads=args.threads, fronts=args.fronts)
     chat = _load(args, **engine)
     print(f"serving on http://{args.host}:{args.port} (OpenAI /v1/audio/speech)", flush=True)
     return serve(chat, config, host=args.host, port=args.port, log_level=args.log_level)
@@ -188,6 +188,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--engine-process", action="store_true",
                    help="run the model and engine in a process of their own, this one serving HTTP (each has its "
                         "own GIL)")
+    s.add_argument("--fronts", type=_positive_int, default=1, metavar="N",
+                   help="N HTTP front processes over one engine process (N > 1 implies --engine-process), on the "
+                        "same port (Linux SO_REUSEPORT): a burst of requests is taken in N at a time (default: 1)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM (default: 30)")
     s.add_argument("--keep-alive", type=int, default=75,

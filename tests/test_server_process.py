@@ -188,7 +188,7 @@ def test_a_request_the_engine_process_refuses_ends_its_audio_with_the_error(upst
     from chattts_velocity import Chat
     from chattts_velocity.audio.pump import PENDING, take_ready
     from chattts_velocity.server.config import ServerConfig
-    from chattts_velocity.server.prepare import SpeechKit, prepare_prompts
+    from chattts_velocity.server.prepare import prepare_prompts
     from chattts_velocity.server.schema import SpeechRequest
     from chattts_velocity.server.split import EngineProcess, _Host
     from chattts_velocity.server.voices import VoiceRegistry
@@ -199,9 +199,9 @@ def test_a_request_the_engine_process_refuses_ends_its_audio_with_the_error(upst
     events, events_out = mp.Pipe(duplex=False)
     audio_in, audio_out = mp.Pipe(duplex=False)
     config = ServerConfig(max_new_token=40)
-    host = _Host(chat, config, events_out, audio_out)
-    host.send(("ready", {"device": "cpu", "kit": SpeechKit.of(chat)}))
-    threading.Thread(target=host.serve, args=(cmd_in,), daemon=True).start()
+    host = _Host(chat, config, [(cmd_in, events_out, audio_out)])
+    host.announce()
+    threading.Thread(target=host.serve, daemon=True).start()
     front = EngineProcess(cmd, events, audio_in)
     try:
         front.wait_ready(60)

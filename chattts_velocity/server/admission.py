@@ -1,35 +1,125 @@
 """``Admission``: at most ``max_concurrent`` requests generate at once and ``max_queue`` wait for a slot; a
 request beyond both is refused at once (the server answers 429 with ``Retry-After``) instead of queueing
 without bound. A request is counted from ``admit`` (in the handler, so a burst is counted as it arrives) until
-its ticket is done or cancelled (a response whose body never started). Used from the event loop only."""
+its ticket is done or cancelled (a response whose body never started). Used from the event loop only.
+
+Several front processes of one engine (``serve --fronts``) admit against the same limits: their counts live in
+shared memory (``shared_counts``), each front in its own two cells (so a front that dies can be zeroed), and a
+front's queued request also looks for a slot another front gave back every ``poll_s``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator
+
+POLL_S = 0.02
+"""How often a queued request looks for a slot that another front gave back (``serve --fronts``)."""
 
 
 class QueueFullError(RuntimeError):
     """Every slot is taken and the queue is full."""
 
 
+def shared_counts(fronts: int):
+    """Counts that ``fronts`` processes admit against together: give it to each front's ``Admission`` (it
+    crosses ``multiprocessing``'s spawn as a process argument)."""
+    import multiprocessing as mp
+
+    return mp.get_context("spawn").Array("q", 2 * fronts)
+
+
+def forget_front(counts, index: int) -> None:
+    """Zero front ``index``'s counts in ``shared_counts`` (the front died with requests counted)."""
+    with counts.get_lock():
+        counts[2 * index] = counts[2 * index + 1] = 0
+
+
 class Admission:
-    def __init__(self, max_concurrent: int, max_queue: int):
+    def __init__(self, max_concurrent: int, max_queue: int, shared=None, index: int = 0):
+        """``shared``: ``shared_counts`` of several fronts, this being front ``index``; None: this process
+        alone."""
         self.max_concurrent, self.max_queue = max_concurrent, max_queue
-        self.running = 0
-        self.waiting = 0
-        self._slots = asyncio.Semaphore(max_concurrent)
+        self._counts = shared if shared is not None else [0, 0]
+        self._lock = shared.get_lock() if shared is not None else contextlib.nullcontext()
+        self._mine = 2 * index if shared is not None else 0
+        self._poll_s = POLL_S if shared is not None else None
+        self._waiters: deque[asyncio.Future] = deque()
+
+    @property
+    def running(self) -> int:
+        """Requests generating, over every front."""
+        with self._lock:
+            return sum(self._counts[0::2])
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued, over every front."""
+        with self._lock:
+            return sum(self._counts[1::2])
 
     def admit(self) -> Ticket:
         """A place in the queue, or ``QueueFullError``."""
-        if self.running + self.waiting >= self.max_concurrent + self.max_queue:
-            raise QueueFullError(
-                f"the server is at capacity ({self.max_concurrent} requests running, {self.max_queue} queued): "
-                "retry later"
-            )
-        self.waiting += 1
+        with self._lock:
+            if sum(self._counts) >= self.max_concurrent + self.max_queue:
+                raise QueueFullError(
+                    f"the server is at capacity ({self.max_concurrent} requests running, {self.max_queue} queued): "
+                    "retry later"
+                )
+            self._counts[self._mine + 1] += 1
         return Ticket(self)
+
+    def _dequeue(self) -> None:
+        with self._lock:
+            self._counts[self._mine + 1] -= 1
+
+    def _take(self) -> bool:
+        """A running slot for a queued request, if one is free (it leaves the queue)."""
+        with self._lock:
+            if sum(self._counts[0::2]) >= self.max_concurrent:
+                return False
+            self._counts[self._mine] += 1
+            self._counts[self._mine + 1] -= 1
+        return True
+
+    def _give_back(self) -> None:
+        with self._lock:
+            self._counts[self._mine] -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake this front's longest-waiting request to take a slot."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def _acquire(self) -> None:
+        """Wait for a running slot and take it, in arrival order among this front's queued requests."""
+        if not self._waiters and self._take():
+            return
+        loop = asyncio.get_running_loop()
+        retry = False
+        while True:
+            waiter = loop.create_future()
+            if retry:  # woken but beaten to the slot (by another front, or a request that took it early)
+                self._waiters.appendleft(waiter)
+            else:
+                self._waiters.append(waiter)
+            try:
+                await asyncio.wait([waiter], timeout=self._poll_s)
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # woken, then cancelled: the wake-up goes to the next
+                raise
+            finally:
+                if not waiter.done():
+                    self._waiters.remove(waiter)
+            if self._take():
+                return
+            retry = True
 
 
 class Ticket:
@@ -45,37 +135,33 @@ class Ticket:
     def cancel(self) -> None:
         if self._queued:
             self._queued = False
-            self._admission.waiting -= 1
+            self._admission._dequeue()
 
     async def take_if_free(self) -> bool:
-        """Take a running slot now if one is free, without waiting (a request then starts before its body)."""
+        """Take a running slot now if one is free and nobody here waits for one (a request then starts before
+        its body)."""
         adm = self._admission
-        if self._held or adm._slots.locked():
+        if self._held or not self._queued or adm._waiters or not adm._take():
             return False
-        await adm._slots.acquire()  # free: returns without suspending
-        self._hold()
+        self._queued, self._held = False, True
         return True
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._admission.running -= 1
-            self._admission._slots.release()
-
-    def _hold(self) -> None:
-        self.cancel()
-        self._admission.running += 1
-        self._held = True
+            self._admission._give_back()
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         if not self._held:
+            if not self._queued:
+                raise RuntimeError("this ticket was cancelled")
             try:
-                await self._admission._slots.acquire()
+                await self._admission._acquire()
             except BaseException:
                 self.cancel()
                 raise
-            self._hold()
+            self._queued, self._held = False, True
         try:
             yield
         finally:

@@ -61,7 +61,7 @@ def _trim() -> None:
 
 
 class _State:
-    def __init__(self, chat, config: ServerConfig, cluster=None):
+    def __init__(self, chat, config: ServerConfig, cluster=None, shared_counts=None):
         self.config = config
         self.remote = chat if isinstance(chat, EngineProcess) else None
         """The engine process (``split.EngineProcess``) when the engine runs apart; then ``chat`` is None and
@@ -69,8 +69,15 @@ class _State:
         self.chat = None if self.remote else chat
         self.voices = VoiceRegistry(self.remote.kit if self.remote else chat, config.voices_dir,
                                     None if cluster is None else cluster.voices)
-        self.admission = Admission(config.max_concurrent, config.max_queue)
+        self.fronts = shared_counts is not None
+        """One of several fronts of one engine process (``serve --fronts``): admission counts are shared, and
+        ``/metrics`` adds the other fronts' request metrics to this one's."""
+        self.admission = Admission(config.max_concurrent, config.max_queue, shared_counts,
+                                   self.remote.index if self.fronts else 0)
         self.metrics = Metrics(self.remote or chat.engine, self.admission)
+        if self.remote is not None:  # what the engine process relays between fronts
+            self.remote.collect = self.metrics.own
+            self.remote.on_voice = lambda record: self.voices.remember(Voice(**record))
         self.draining = False
         self.in_flight = 0
         """Speech requests admitted and not yet done (what a graceful shutdown waits for)."""
@@ -88,13 +95,17 @@ class _State:
             threading.Thread(target=_trim, daemon=True).start()
 
 
-def build_app(chat, config: ServerConfig | None = None, cluster=None) -> FastAPI:
+def build_app(chat, config: ServerConfig | None = None, cluster=None, shared_counts=None) -> FastAPI:
     """The app over a loaded ``Chat``, or over the engine process's handle (``split.EngineProcess``, which set
     up its own audio pump). ``cluster`` is set on a Ray Serve replica (``cluster.ReplicaLink``): registered
     voices go to its ``voices`` store, which every replica reads, and ``/metrics`` renders every replica's series
-    (``await cluster.render_metrics(metrics)``). Without it the app serves this process alone."""
+    (``await cluster.render_metrics(metrics)``). ``shared_counts`` (``admission.shared_counts``) is set on each
+    of several fronts of one engine process (``serve --fronts``): they admit against the same limits, and
+    ``/metrics`` sums every front's request series. Without either the app serves this process alone."""
+    if shared_counts is not None and not isinstance(chat, EngineProcess):
+        raise ValueError("shared_counts is for the fronts of an engine process")
     config = config or ServerConfig()
-    state = _State(chat, config, cluster)
+    state = _State(chat, config, cluster, shared_counts)
     if state.chat is not None:
         chat._velocity.pump.round_interval_s = config.audio_round_ms / 1000
     app = FastAPI(title="chattts-velocity", version="0.1.0")
@@ -127,7 +138,9 @@ def build_app(chat, config: ServerConfig | None = None, cluster=None) -> FastAPI
     async def metrics() -> Response:
         if state.remote is not None:
             await state.remote.refresh()  # EngineGoneError: a 503
-        if cluster is None:
+        if state.fronts:
+            body, content_type = state.metrics.render(await state.remote.gather())
+        elif cluster is None:
             body, content_type = state.metrics.render()
         else:
             body, content_type = await cluster.render_metrics(state.metrics)

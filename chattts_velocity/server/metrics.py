@@ -53,9 +53,20 @@ class Metrics:
         if wall_s > 0 and audio_s > 0:
             self.rtf.observe(audio_s / wall_s)
 
-    def render(self) -> tuple[bytes, str]:
+    def render(self, others: list[list[Metric]] = ()) -> tuple[bytes, str]:
+        """The exposition; ``others``: other fronts' ``own()`` families, added to this one's series (``serve
+        --fronts``: every front serves requests, and any one of them answers ``/metrics``)."""
         self.refresh()
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if not others:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Summed(list(self.registry.collect()), others))
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
+    def own(self) -> list[Metric]:
+        """This process's request counters and histograms (not the gauges: the engine's and the admission's
+        are the same from every front)."""
+        return [family for family in self.registry.collect() if family.type in ("counter", "histogram")]
 
     def collect(self) -> list[Metric]:
         """Every family, refreshed now (what a replica reports to the others)."""
@@ -89,6 +100,37 @@ def _watch_gc(metrics: Metrics) -> None:
             target.gc_pause.labels(generation=str(info["generation"])).observe(time.perf_counter() - started[0])
 
     gc.callbacks.append(callback)
+
+
+class _Summed:
+    """Families with other fronts' counter and histogram samples added in (a ``_created`` sample: the
+    earliest)."""
+
+    def __init__(self, families: list[Metric], others: list[list[Metric]]):
+        self.families, self.others = families, others
+
+    def collect(self):
+        extra: dict[str, list] = {}
+        for families in self.others:
+            for family in families:
+                extra.setdefault(family.name, []).extend(family.samples)
+        for family in self.families:
+            if family.name not in extra or family.type not in ("counter", "histogram"):
+                yield family
+                continue
+            values = {(s.name, tuple(sorted(s.labels.items()))): s for s in family.samples}
+            for sample in extra[family.name]:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                have = values.get(key)
+                if have is None:
+                    values[key] = sample
+                elif sample.name.endswith("_created"):
+                    values[key] = have._replace(value=min(have.value, sample.value))
+                else:
+                    values[key] = have._replace(value=have.value + sample.value)
+            summed = Metric(family.name, family.documentation, family.type, family.unit)
+            summed.samples = list(values.values())
+            yield summed
 
 
 class _Replicas:

@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import signal
 import threading
 import time
@@ -52,7 +53,7 @@ class EngineGoneError(RuntimeError):
 
 # ============================================================================ the engine process
 def _engine_main(load: dict, config: ServerConfig, warmup: bool | None, log_level: str, threads: int | None,
-                 cmd, events, audio) -> None:
+                 fronts: list[tuple]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front owns the lifetime (a Ctrl-C reaches the group)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s [engine process] %(name)s: %(message)s")
@@ -66,78 +67,144 @@ def _engine_main(load: dict, config: ServerConfig, warmup: bool | None, log_leve
     if warmup if warmup is not None else chat.device.type == "cuda":
         warm_up(chat)
     chat._velocity.pump.round_interval_s = config.audio_round_ms / 1000
-    host = _Host(chat, config, events, audio)
-    host.send(("ready", {"device": str(chat.device), "kit": SpeechKit.of(chat)}))
+    host = _Host(chat, config, fronts)
+    host.announce()
     try:
-        host.serve(cmd)
+        host.serve()
     finally:
         chat.unload()
 
 
-class _Host:
-    """The engine process's side: prepares requests, ships their audio, answers calls."""
+class _Front:
+    """One HTTP front's pipe ends, as the engine process holds them: commands come on ``cmd``; acks, replies
+    and refusals go on ``events``, the requests' audio on ``audio`` (the shipper's alone)."""
 
-    def __init__(self, chat, config: ServerConfig, events, audio):
+    def __init__(self, index: int, cmd, events, audio):
+        self.index, self.cmd, self.events, self.audio = index, cmd, events, audio
+        self.send_lock = threading.Lock()
+        self.open = True
+        """False once the front said stop or its pipe closed."""
+
+
+class _Host:
+    """The engine process's side: prepares requests, ships their audio, answers calls, for one or more fronts
+    (``serve --fronts``). Request ids are unique across fronts (each front its own prefix)."""
+
+    def __init__(self, chat, config: ServerConfig, fronts: list[tuple]):
         self.chat, self.config = chat, config
         self.voices = VoiceRegistry(chat, config.voices_dir)
-        self._events, self._send_lock = events, threading.Lock()
-        self._audio_out = audio  # the shipper's alone: acks never wait behind a round's audio
-        self._cond = threading.Condition()  # guards the three below
+        self.fronts = [_Front(i, *ends) for i, ends in enumerate(fronts)]
+        self._cond = threading.Condition()  # guards the four below
         self._audio: dict[str, object] = {}  # request id -> its JoinedAudio
+        self._owner: dict[str, _Front] = {}  # request id -> the front it came from
         self._due: dict[str, None] = {}  # requests with news for the shipper, in order
         self._preparing: dict[str, bool] = {}  # request id -> cancelled while being prepared
+        self._gathers: dict[tuple, tuple[_Front, set[int], dict]] = {}  # see ``_gather``
         threading.Thread(target=self._ship, name="chattts-velocity-ship", daemon=True).start()
 
-    def send(self, msg) -> None:
-        with self._send_lock:
-            self._events.send(msg)
+    def announce(self) -> None:
+        """Tell every front the engine is ready, with what it prepares requests from (``SpeechKit``)."""
+        for front in self.fronts:
+            self.send(front, ("ready", {"device": str(self.chat.device), "kit": SpeechKit.of(self.chat)}))
 
-    def serve(self, cmd) -> None:
-        """Handle the front's messages until it says stop or goes away; then cancel what is left."""
-        while True:
-            try:
-                msg = cmd.recv()
-            except (EOFError, OSError):
-                break
-            kind = msg[0]
-            if kind == "submit":
-                _, rid, fields = msg
+    def send(self, front: _Front, msg) -> None:
+        """Send ``msg`` on ``front``'s events pipe; a front that went away misses it."""
+        try:
+            with front.send_lock:
+                front.events.send(msg)
+        except (OSError, EOFError, ValueError):
+            pass
+
+    def serve(self) -> None:
+        """Handle the fronts' messages until every front said stop or went away; a front that leaves has its
+        requests cancelled."""
+        listening = {front.cmd: front for front in self.fronts}
+        while listening:
+            for conn in mp_connection.wait(list(listening)):
+                front = listening[conn]
                 try:
-                    body = SpeechRequest.model_validate(fields)  # validated by the front already
-                except Exception as e:  # noqa: BLE001 - reported to the front as a 500, the loop goes on
-                    self.send(("ack", rid, ("internal", f"{type(e).__name__}: {e}")))
-                    continue
-                with self._cond:
-                    self._preparing[rid] = False
-                if body.refines:  # the refine pass waits for the engine: not on this thread
-                    threading.Thread(target=self._prepare, args=(rid, body), daemon=True).start()
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    msg = ("stop",)
+                if msg[0] == "stop":
+                    del listening[conn]
+                    self._leave(front)
                 else:
-                    self._prepare(rid, body)
-            elif kind == "run":
-                self._run(*msg[1:])
-            elif kind == "cancel":
-                self._cancel(msg[1])
-            elif kind == "call":
-                threading.Thread(target=self._call, args=msg[1:], daemon=True).start()
-            elif kind == "stop":
-                break
+                    self._handle(front, msg)
+
+    def _handle(self, front: _Front, msg) -> None:
+        kind = msg[0]
+        if kind == "submit":
+            _, rid, fields = msg
+            try:
+                body = SpeechRequest.model_validate(fields)  # validated by the front already
+            except Exception as e:  # noqa: BLE001 - reported to the front as a 500, the loop goes on
+                self.send(front, ("ack", rid, ("internal", f"{type(e).__name__}: {e}")))
+                return
+            with self._cond:
+                self._preparing[rid] = False
+                self._owner[rid] = front
+            if body.refines:  # the refine pass waits for the engine: not on this thread
+                threading.Thread(target=self._prepare, args=(rid, body), daemon=True).start()
+            else:
+                self._prepare(rid, body)
+        elif kind == "run":
+            self._run(front, *msg[1:])
+        elif kind == "cancel":
+            self._cancel(msg[1])
+        elif kind == "call":
+            threading.Thread(target=self._call, args=(front, *msg[1:]), daemon=True).start()
+        elif kind == "gather":
+            self._gather(front, msg[1])
+        elif kind == "families":
+            self._gathered(msg[1], front.index, msg[2])
+
+    def _leave(self, front: _Front) -> None:
+        """``front`` is gone: cancel its requests, and stop waiting for its metrics."""
+        front.open = False
         with self._cond:
-            rids = list(self._audio)
+            rids = [rid for rid, owner in self._owner.items() if owner is front]
         for rid in rids:
             self._cancel(rid)
+        for key in list(self._gathers):
+            self._gathered(key, front.index, None)
 
-    def _run(self, rid: str, prompts, params) -> None:
+    def _gather(self, asker: _Front, cid: int) -> None:
+        """Every other open front's request metrics (``Metrics.own``), for ``asker``'s ``/metrics``: each is
+        asked (``collect``), and the reply goes out once all answered or left."""
+        others = {f.index for f in self.fronts if f.open and f is not asker}
+        key = (asker.index, cid)
+        self._gathers[key] = (asker, others, {})
+        for index in list(others):
+            self.send(self.fronts[index], ("collect", key))
+        self._gathered(key, None, None)  # none to ask: the reply goes at once
+
+    def _gathered(self, key: tuple, index: int | None, families) -> None:
+        entry = self._gathers.get(key)
+        if entry is None:
+            return
+        asker, waiting, got = entry
+        if index is not None and index in waiting:
+            waiting.discard(index)
+            if families is not None:
+                got[index] = families
+        if not waiting:
+            del self._gathers[key]
+            self.send(asker, ("reply", key[1], None, list(got.values())))
+
+    def _run(self, front: _Front, rid: str, prompts, params) -> None:
         """A request the front prepared (``prepare.prepare_prompts``): its audio starts now. It was validated
         there; should the engine refuse it all the same, its audio ends with the error (its headers are out)."""
         try:
             audio = self.chat._velocity.joined(_prompts(prompts), params, True, self.config.in_flight_sentences)
         except Exception as e:  # noqa: BLE001 - the request's failure, not the engine process's
             logger.warning("request %s refused: %s", rid, e)
-            self.send(("failed", rid, f"{type(e).__name__}: {e}"))
+            self.send(front, ("failed", rid, f"{type(e).__name__}: {e}"))
             return
         audio.on_ready(lambda: self._mark(rid))
         with self._cond:
             self._audio[rid] = audio
+            self._owner[rid] = front
         self._mark(rid)  # its first ``next`` submits its engine requests
 
     def _prepare(self, rid: str, body: SpeechRequest) -> None:
@@ -154,17 +221,21 @@ class _Host:
                 error = ("internal", f"{type(e).__name__}: {e}")
             with self._cond:
                 del self._preparing[rid]
-            self.send(("ack", rid, error))
+                front = self._owner.pop(rid)
+            self.send(front, ("ack", rid, error))
             return
         audio.on_ready(lambda: self._mark(rid))
         with self._cond:
             cancelled = self._preparing.pop(rid)
-            if not cancelled:
+            front = self._owner[rid]
+            if cancelled:
+                del self._owner[rid]
+            else:
                 self._audio[rid] = audio
         if cancelled:
             audio.cancel()
             return
-        self.send(("ack", rid, None))
+        self.send(front, ("ack", rid, None))
         self._mark(rid)  # its first ``next`` submits its engine requests
 
     def _mark(self, rid: str) -> None:
@@ -175,6 +246,8 @@ class _Host:
     def _cancel(self, rid: str) -> None:
         with self._cond:
             audio = self._audio.pop(rid, None)
+            if audio is not None:
+                self._owner.pop(rid, None)
             if audio is None:  # being prepared (``_prepare`` drops it then), or already over
                 if rid in self._preparing:
                     self._preparing[rid] = True
@@ -182,37 +255,43 @@ class _Host:
         audio.cancel()  # thread-safe, even while the shipper is inside its ``next``
 
     def _ship(self) -> None:
-        """Send every chunk that is ready, all requests' in one message per pass."""
+        """Send every chunk that is ready, all of a front's requests' in one message per pass."""
         while True:
             with self._cond:
                 while not self._due:
                     self._cond.wait()
                 due, self._due = list(self._due), {}
-                audios = [(rid, self._audio.get(rid)) for rid in due]
-            items = []
-            for rid, audio in audios:
+                audios = [(rid, self._audio.get(rid), self._owner.get(rid)) for rid in due]
+            items: dict[_Front, list] = {}
+            for rid, audio, front in audios:
                 if audio is None:
                     continue
                 chunk, end, failure = take_ready(audio)
                 if failure is not None:
                     logger.warning("request %s failed: %s", rid, failure)
+                out = items.setdefault(front, [])
                 if chunk is not None:
-                    items.append((rid, chunk, None))
+                    out.append((rid, chunk, None))
                 if end:
-                    items.append((rid, None, "" if failure is None else str(failure)))
+                    out.append((rid, None, "" if failure is None else str(failure)))
                     with self._cond:
                         self._audio.pop(rid, None)
+                        self._owner.pop(rid, None)
                     audio.cancel()
-            if items:
-                try:
-                    self._audio_out.send(items)
-                except (OSError, EOFError):  # the front is gone: ``serve`` ends on its closed pipe
-                    return
+            for front, out in items.items():
+                if out and front.open:
+                    try:
+                        front.audio.send(out)
+                    except (OSError, EOFError):  # the front is gone: ``serve`` cancels its requests
+                        pass
 
-    def _call(self, cid: int, name: str, args: tuple) -> None:
+    def _call(self, front: _Front, cid: int, name: str, args: tuple) -> None:
         try:
             if name == "register":
                 value = asdict(self.voices.register(*args))
+                for other in self.fronts:  # every front resolves it from now on, with or without a voices folder
+                    if other is not front and other.open:
+                        self.send(other, ("voice", value))
             elif name == "stats":
                 value = self.chat.engine.stats().engine
             else:
@@ -220,10 +299,7 @@ class _Host:
             reply = ("reply", cid, None, value)
         except Exception as e:  # noqa: BLE001 - raised again in the front
             reply = ("reply", cid, type(e).__name__, str(e))
-        try:
-            self.send(reply)
-        except (OSError, EOFError):
-            pass
+        self.send(front, reply)
 
 
 # ============================================================================ the front
@@ -297,11 +373,12 @@ class EngineProcess:
     make calls (``call``), read its stats (``stats``, as ``AsyncLLMEngine.stats`` for ``Metrics``), stop it
     (``close``)."""
 
-    def __init__(self, cmd, events, audio, process=None):
+    def __init__(self, cmd, events, audio, process=None, index: int = 0):
         """A handle over the pipe ends (``cmd`` to send on, ``events`` and ``audio`` to read) of an engine
         served by ``_Host`` (``start`` spawns one; a benchmark may host it itself), and its process if it is a
-        child."""
+        child of this one. ``index``: which of the engine's fronts this is (its request ids start with it)."""
         self._cmd, self._events, self._audio_in, self.process = cmd, events, audio, process
+        self.index = index
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the dicts below
         self._audio: dict[str, RemoteAudio] = {}
@@ -312,21 +389,38 @@ class EngineProcess:
         """Why the engine process is not running (None while it is)."""
         self._closing = False
         self.info: dict = {}
+        self.fronts: list[tuple] = []
+        """``start``'s pipe ends of the other fronts, each for an ``EngineProcess(*ends, index=i)`` (i from 1)
+        in a process of its own."""
+        self.collect = None
+        """What this front answers when another front's ``/metrics`` gathers every front's (set by the app:
+        ``Metrics.own``); None: nothing."""
+        self.on_voice = None
+        """Called with a voice record another front registered (set by the app)."""
 
     @classmethod
     def start(cls, load: dict, config: ServerConfig, warmup: bool | None = None, log_level: str = "info",
-              threads: int | None = None) -> EngineProcess:
-        """Spawn the engine process: it runs ``Chat().load(**load)`` (and ``warm_up``, by default on CUDA)."""
+              threads: int | None = None, fronts: int = 1) -> EngineProcess:
+        """Spawn the engine process: it runs ``Chat().load(**load)`` (and ``warm_up``, by default on CUDA).
+        With ``fronts`` > 1 it serves that many fronts: this handle is the first, ``.fronts`` the others'
+        pipe ends."""
         ctx = mp.get_context("spawn")  # not a fork of a process with threads (and torch)
-        cmd_in, cmd = ctx.Pipe(duplex=False)
-        events, events_out = ctx.Pipe(duplex=False)
-        audio, audio_out = ctx.Pipe(duplex=False)
+        mine, theirs = [], []
+        for _ in range(fronts):
+            cmd_in, cmd = ctx.Pipe(duplex=False)
+            events, events_out = ctx.Pipe(duplex=False)
+            audio, audio_out = ctx.Pipe(duplex=False)
+            mine.append((cmd, events, audio))
+            theirs.append((cmd_in, events_out, audio_out))
         process = ctx.Process(target=_engine_main, name="chattts-velocity-engine", daemon=True,
-                              args=(load, config, warmup, log_level, threads, cmd_in, events_out, audio_out))
+                              args=(load, config, warmup, log_level, threads, theirs))
         process.start()
-        for end in (cmd_in, events_out, audio_out):
-            end.close()
-        return cls(cmd, events, audio, process)
+        for ends in theirs:
+            for end in ends:
+                end.close()
+        handle = cls(*mine[0], process=process)
+        handle.fronts = mine[1:]
+        return handle
 
     # ---------------------------------------------------------------- lifetime
     def wait_ready(self, timeout: float = 1800.0) -> dict:
@@ -383,7 +477,7 @@ class EngineProcess:
 
     def _open(self) -> tuple[str, RemoteAudio]:
         """A new request id and its audio, which the reader threads now feed."""
-        rid = f"r{next(self._ids)}"
+        rid = f"f{self.index}.r{next(self._ids)}"
         audio = RemoteAudio(self, rid)
         with self._lock:
             self._audio[rid] = audio
@@ -413,6 +507,17 @@ class EngineProcess:
         error, value = await self._request(cid, ("call", cid, name, args))
         if error is not None:
             raise (ValueError if error == "ValueError" else RuntimeError)(value)
+        return value
+
+    async def gather(self, timeout: float = 5.0) -> list:
+        """The other fronts' ``collect()`` (each a list of metric families), through the engine process; a
+        front that does not answer within ``timeout`` s is left out (logged)."""
+        cid = next(self._ids)
+        try:
+            _, value = await asyncio.wait_for(self._request(cid, ("gather", cid)), timeout)
+        except TimeoutError:
+            logger.warning("/metrics: a front did not report its metrics within %g s; rendered without it", timeout)
+            return []
         return value
 
     async def refresh(self) -> None:
@@ -473,6 +578,14 @@ class EngineProcess:
             self._resolve(msg[1], (msg[2], msg[3]))
         elif msg[0] == "failed":
             self._on_audio([(msg[1], None, msg[2])])
+        elif msg[0] == "collect":  # another front's /metrics
+            families = self.collect() if self.collect is not None else []
+            try:
+                self._send(("families", msg[1], families))
+            except EngineGoneError:
+                pass
+        elif msg[0] == "voice" and self.on_voice is not None:
+            self.on_voice(msg[1])
 
     def _on_audio(self, items) -> None:
         """A round's chunks: (request id, chunk or None at its end, why it failed) each."""
