@@ -93,8 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"the server needs its extras: pip install \"chattts-velocity[server]\" ({e})") from None
     if _scaled(args):
         if args.engine_process or args.fronts > 1:
-            raise ValueError("--engine-process runs one engine apart from its HTTP front; with replicas each Ray "
-                             "Serve replica is a process of its own already: drop one of the two")
+            raise ValueError("--engine-process (and --fronts) run one engine apart from its HTTP fronts; with "
+                             "replicas each Ray Serve replica is a process of its own already: drop one of the two")
         try:
             from .server.scale import run
         except ImportError as e:

@@ -82,7 +82,8 @@ def decode_audio(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
 
 
 def engine_processes(pid: int) -> list[int]:
-    """The engine processes (``serve --engine-process``) that are children of server process ``pid``."""
+    """The processes server process ``pid`` spawned: its engine process (``serve --engine-process``), and with
+    ``--fronts`` its other HTTP fronts (``listening_pids`` tells them apart)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -105,3 +106,48 @@ def metric(url: str, name: str, headers: dict | None = None) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise KeyError(name)
+
+
+def _tcp_sockets(port: int) -> dict[int, tuple[str, int]]:
+    """Socket inode -> (state, peer port) of every TCP socket whose local port is ``port`` (IPv4 and IPv6)."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
+            if int(local.rsplit(":", 1)[1], 16) == port:
+                found[inode] = ("listen" if state == "0A" else "open", int(remote.rsplit(":", 1)[1], 16))
+    return found
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def listening_pids(pids: list[int], port: int) -> list[int]:
+    """Those of ``pids`` that listen on ``port`` (the fronts of ``serve --fronts``)."""
+    listening = {inode for inode, (state, _) in _tcp_sockets(port).items() if state == "listen"}
+    return [pid for pid in pids if _socket_inodes(pid) & listening]
+
+
+def connection_owner(pids: list[int], port: int, client_port: int) -> int | None:
+    """Which of ``pids`` holds the server end of the connection from ``client_port`` to ``port``."""
+    inodes = {inode for inode, (state, peer) in _tcp_sockets(port).items() if state == "open" and peer == client_port}
+    return next((pid for pid in pids if _socket_inodes(pid) & inodes), None)

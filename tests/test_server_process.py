@@ -132,9 +132,10 @@ def test_engine_process_and_replicas_do_not_combine(tmp_path):
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "serve", "--model", str(tmp_path),
-                          "--engine-process", "--replicas", "2"], capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0 and "--engine-process" in run.stderr and "Traceback" not in run.stderr
+    for flag in (["--engine-process"], ["--fronts", "2"]):
+        run = subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "serve", "--model", str(tmp_path),
+                              *flag, "--replicas", "2"], capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and "--engine-process" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_prompts_cross_the_pipe_as_plain_arrays(upstream_ckpt):

@@ -1,0 +1,144 @@
+"""``Admission`` alone (one process, and two fronts over shared counts) and the merge of several fronts' metrics
+(``serve --fronts``); the server tests cover them behind HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+
+from chattts_velocity.server.admission import Admission, QueueFullError, forget_front, shared_counts
+from chattts_velocity.server.metrics import Metrics
+
+
+def test_limits_queue_order_and_early_slots():
+    async def main():
+        adm = Admission(1, 2)
+        a, b, c = adm.admit(), adm.admit(), adm.admit()
+        with pytest.raises(QueueFullError):
+            adm.admit()
+        assert (adm.running, adm.waiting) == (0, 3)
+        assert await a.take_if_free()
+        assert (adm.running, adm.waiting) == (1, 2)
+        order = []
+
+        async def body(ticket, name):
+            async with ticket.slot():
+                order.append(name)
+                await asyncio.sleep(0.01)
+
+        tasks = [asyncio.create_task(body(t, n)) for t, n in ((b, "b"), (c, "c"))]
+        await asyncio.sleep(0.01)
+        assert order == [] and adm.waiting == 2
+        a.release()  # the slot goes to b, the longest waiting
+        await asyncio.sleep(0)
+        d = adm.admit()
+        assert not await d.take_if_free()  # c waits for a slot: a newcomer does not jump it
+        await asyncio.gather(*tasks)
+        assert order == ["b", "c"]
+        d.cancel()
+        assert (adm.running, adm.waiting) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_waiter_cancelled_after_its_wake_up_passes_it_on():
+    async def main():
+        adm = Admission(1, 4)
+        first = adm.admit()
+        assert await first.take_if_free()
+        got = []
+
+        async def body(ticket, name):
+            async with ticket.slot():
+                got.append(name)
+
+        b = asyncio.create_task(body(adm.admit(), "b"))
+        c = asyncio.create_task(body(adm.admit(), "c"))
+        await asyncio.sleep(0.01)
+        first.release()  # wakes b ...
+        b.cancel()  # ... which leaves before it runs: c must get the slot
+        await asyncio.wait_for(c, 1)
+        assert got == ["c"] and (adm.running, adm.waiting) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_two_fronts_admit_against_the_same_limits():
+    counts = shared_counts(2)
+
+    async def main():
+        one, two = Admission(1, 1, counts, 0), Admission(1, 1, counts, 1)
+        a = one.admit()
+        assert await a.take_if_free()
+        b = two.admit()
+        assert not await b.take_if_free()  # the one slot is front 0's
+        with pytest.raises(QueueFullError):
+            one.admit()  # one running + one queued, over both fronts
+        assert (one.running, one.waiting, two.running, two.waiting) == (1, 1, 1, 1)
+        got = asyncio.Event()
+
+        async def body():
+            async with b.slot():
+                got.set()
+
+        task = asyncio.create_task(body())
+        await asyncio.sleep(0.05)
+        assert not got.is_set()
+        a.release()  # front 0 gives it back: front 1's queued request finds it by polling
+        await asyncio.wait_for(got.wait(), 1)
+        await task
+        assert (one.running, one.waiting) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_dead_fronts_counts_are_forgotten():
+    counts = shared_counts(2)
+
+    async def main():
+        one, two = Admission(1, 0, counts, 0), Admission(1, 0, counts, 1)
+        assert await two.admit().take_if_free()  # front 1 then dies holding it
+        with pytest.raises(QueueFullError):
+            one.admit()
+        forget_front(counts, 1)
+        assert await one.admit().take_if_free()
+
+    asyncio.run(main())
+
+
+class _Engine:
+    def stats(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(engine=SimpleNamespace(num_waiting=0, num_running=2, kv_blocks_used=3,
+                                                      kv_blocks_total=10, num_preemptions=0, num_generated_tokens=5))
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_metrics_add_the_other_fronts_request_series():
+    mine, other = Metrics(_Engine(), Admission(4, 4)), Metrics(_Engine(), Admission(4, 4))
+    for m, codes in ((mine, (200, 200, 400)), (other, (200, 429))):
+        for code in codes:
+            m.count("/v1/audio/speech", code)
+    mine.first_audio(0.03)
+    other.first_audio(0.2)
+    other.first_audio(0.02)
+    alone = _samples(mine.render()[0].decode())
+    merged = _samples(mine.render([pickle.loads(pickle.dumps(other.own()))])[0].decode())  # as it crosses the pipe
+    route = 'route="/v1/audio/speech"'
+    assert merged[f'chattts_requests_total{{{route},status="200"}}'] == 3
+    assert merged[f'chattts_requests_total{{{route},status="400"}}'] == 1
+    assert merged[f'chattts_requests_total{{{route},status="429"}}'] == 1  # only the other front saw one
+    assert alone[f'chattts_requests_total{{{route},status="200"}}'] == 2
+    assert merged["chattts_time_to_first_audio_seconds_count"] == 3
+    assert merged['chattts_time_to_first_audio_seconds_bucket{le="0.025"}'] == 1
+    assert merged['chattts_time_to_first_audio_seconds_bucket{le="0.05"}'] == 2
+    assert merged["chattts_time_to_first_audio_seconds_sum"] == pytest.approx(0.25)
+    assert merged["chattts_engine_running"] == 2 and merged["chattts_kv_blocks_used"] == 3  # gauges: not summed
+    assert {f.type for f in other.own()} == {"counter", "histogram"}
