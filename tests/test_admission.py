@@ -43,6 +43,30 @@ def test_limits_queue_order_and_early_slots():
     asyncio.run(main())
 
 
+def test_a_slot_given_back_goes_to_the_woken_waiter_not_a_newcomer():
+    async def main():
+        adm = Admission(1, 4)
+        first = adm.admit()
+        assert await first.take_if_free()
+        got = []
+
+        async def body(ticket):
+            async with ticket.slot():
+                got.append("waiter")
+
+        task = asyncio.create_task(body(adm.admit()))
+        await asyncio.sleep(0.01)
+        first.release()  # wakes the waiter, which has not run yet ...
+        newcomer = adm.admit()
+        assert not await newcomer.take_if_free()  # ... and the newcomer does not take its slot meanwhile
+        await asyncio.wait_for(task, 1)
+        assert got == ["waiter"]
+        assert await newcomer.take_if_free()
+        newcomer.release()
+
+    asyncio.run(main())
+
+
 def test_a_waiter_cancelled_after_its_wake_up_passes_it_on():
     async def main():
         adm = Admission(1, 4)

@@ -89,9 +89,9 @@ class Admission:
         self._wake()
 
     def _wake(self) -> None:
-        """Wake this front's longest-waiting request to take a slot."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
+        """Wake this front's longest-waiting request to take a slot. It stays in ``_waiters`` until it runs, so
+        that a newcomer's ``take_if_free`` does not take the slot meanwhile."""
+        for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
                 return
@@ -104,19 +104,18 @@ class Admission:
         retry = False
         while True:
             waiter = loop.create_future()
-            if retry:  # woken but beaten to the slot (by another front, or a request that took it early)
+            if retry:  # polled in vain, or woken and beaten to the slot by another front: first in line still
                 self._waiters.appendleft(waiter)
             else:
                 self._waiters.append(waiter)
             try:
                 await asyncio.wait([waiter], timeout=self._poll_s)
             except BaseException:
-                if waiter.done() and not waiter.cancelled():
+                self._waiters.remove(waiter)
+                if waiter.done():
                     self._wake()  # woken, then cancelled: the wake-up goes to the next
                 raise
-            finally:
-                if not waiter.done():
-                    self._waiters.remove(waiter)
+            self._waiters.remove(waiter)
             if self._take():
                 return
             retry = True

@@ -515,7 +515,7 @@ class EngineProcess:
         cid = next(self._ids)
         try:
             _, value = await asyncio.wait_for(self._request(cid, ("gather", cid)), timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not TimeoutError's alias before Python 3.11
             logger.warning("/metrics: a front did not report its metrics within %g s; rendered without it", timeout)
             return []
         return value
