@@ -138,6 +138,24 @@ def test_engine_process_and_replicas_do_not_combine(tmp_path):
         assert run.returncode != 0 and "--engine-process" in run.stderr and "Traceback" not in run.stderr
 
 
+def test_fronts_refuse_a_port_another_server_shares_out(tmp_path):
+    """Another server's ``SO_REUSEPORT`` socket would let ``--fronts`` bind the same port and share its
+    connections: the first front checks the port is free and says so if not."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "serve", "--model", str(tmp_path),
+                              "--fronts", "2", "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_prompts_cross_the_pipe_as_plain_arrays(upstream_ckpt):
     """What the front sends to run: the prompts ``prepare_prompts`` made, as numpy arrays (a torch tensor would be
     pickled as shared memory whose descriptor the engine process fetches back from the front), and they come

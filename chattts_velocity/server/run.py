@@ -118,7 +118,7 @@ def serve_split(load: dict, config: ServerConfig, host: str = "127.0.0.1", port:
 
     if fronts > 1 and not hasattr(socket, "SO_REUSEPORT"):
         raise ValueError("--fronts needs SO_REUSEPORT (Linux), which this system's sockets lack")
-    sock = _listen(host, port) if fronts > 1 else None
+    sock = _listen(host, port, alone=True) if fronts > 1 else None
     port = sock.getsockname()[1] if sock is not None else port
     engine = EngineProcess.start(load, config, warmup=warmup, log_level=log_level, threads=threads, fronts=fronts)
     counts = shared_counts(fronts) if fronts > 1 else None
@@ -165,9 +165,20 @@ def serve_split(load: dict, config: ServerConfig, host: str = "127.0.0.1", port:
     return 0
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` that other processes may bind as well (``SO_REUSEPORT``)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+def _listen(host: str, port: int, alone: bool = False) -> socket.socket:
+    """A listening TCP socket on ``host:port`` that other processes may bind as well (``SO_REUSEPORT``).
+    ``alone`` (the first front): the port must be free, else ``ValueError`` (another server's ``SO_REUSEPORT``
+    sockets would let this one bind too, and the kernel would spread connections over both servers)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if alone:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:  # no SO_REUSEPORT: fails if anything is bound
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+            port = probe.getsockname()[1]  # port 0: the one the system chose
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:

@@ -19,7 +19,12 @@ thread. A request with a refine pass needs the engine for it and still goes that
 ``RemoteAudio`` reads like ``JoinedAudio``. A client that leaves has its request
 cancelled over the pipe (the engine process aborts its engine requests at once). If the engine process dies,
 every request in flight fails, ``/health`` answers 503 and new requests get 503. The engine process ignores
-SIGINT and SIGTERM: the front drains and then stops it (or it exits when the front's pipe closes)."""
+SIGINT and SIGTERM: the front drains and then stops it (or it exits when the front's pipe closes).
+
+With ``serve --fronts N`` the engine process serves N fronts, each over three pipes of its own (``_Front``):
+their request ids carry the front's index, each front's audio goes down its own pipe, and the engine process
+relays what the fronts share: a registered voice (``voice``), and another front's request metrics for a
+``/metrics`` (``gather``, answered by each front's ``collect``). It exits once every front is gone."""
 
 from __future__ import annotations
 
