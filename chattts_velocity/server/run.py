@@ -216,9 +216,17 @@ def _front_main(ends: tuple, index: int, counts, config: ServerConfig, host: str
 
 
 def _die_with_parent() -> None:
-    """Have the kernel send this process SIGTERM (a drain) if the process that started it dies (Linux)."""
+    """Have the kernel send this process SIGTERM (a drain) if the process that started it dies (Linux); exit
+    at once if it died already, before this took effect."""
+    import multiprocessing as mp
+    import os
+    import sys
+
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the front ends when the engine process goes
-        pass
+    except (OSError, AttributeError):  # not Linux: nothing watches the parent
+        return
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # re-parented: it is gone
+        sys.exit(0)
