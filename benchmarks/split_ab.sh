@@ -7,7 +7,8 @@
 # $MAX_NEW: every request's audio as long, the random weights' early ends masked), or LABEL@ARGS: serve
 # arguments separated by commas (e.g. round100@--min-new-token,500,--audio-round-ms,100), where
 # ENV=NAME=VALUE arguments set environment variables of that server only, e.g.
-# si1@ENV=CHATTTS_SWITCH_INTERVAL_MS=1 with benchmarks/switch_interval on PYTHONPATH. A variant may
+# si1@ENV=CHATTTS_SWITCH_INTERVAL_MS=1 with benchmarks/switch_interval on PYTHONPATH; the README's newest table
+# ran f4fix@--fronts,4,--min-new-token,500 and f4@--fronts,4 beside one-fixed and one. A variant may
 # come more than once (alternating runs): each run's results go under $OUT/<n>_<label>/, and a summary line per
 # level is printed.
 set -u
