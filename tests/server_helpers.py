@@ -100,12 +100,15 @@ def engine_processes(pid: int) -> list[int]:
     return found
 
 
-def metric(url: str, name: str, headers: dict | None = None) -> float:
-    """One unlabelled sample of ``GET /metrics``."""
+def metric(url: str, name: str, headers: dict | None = None, default: float | None = None) -> float:
+    """One sample of ``GET /metrics``: ``name`` with its labels as exposed (``x{a="1"}``), or bare; ``default``
+    if the server has none (else ``KeyError``)."""
     for line in httpx.get(url + "/metrics", headers=headers, timeout=10).text.splitlines():
         if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
+            return float(line.rsplit(" ", 1)[1])
+    if default is None:
+        raise KeyError(name)
+    return default
 
 
 def _tcp_sockets(port: int) -> dict[int, tuple[str, int]]:

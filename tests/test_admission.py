@@ -12,6 +12,13 @@ from chattts_velocity.server.admission import Admission, QueueFullError, forget_
 from chattts_velocity.server.metrics import Metrics
 
 
+async def in_slot(ticket, got: list, name: str, hold_s: float = 0.0) -> None:
+    """A request's body: wait for a slot, note ``name`` once in it, hold it ``hold_s``."""
+    async with ticket.slot():
+        got.append(name)
+        await asyncio.sleep(hold_s)
+
+
 def test_limits_queue_order_and_early_slots():
     async def main():
         adm = Admission(1, 2)
@@ -22,13 +29,7 @@ def test_limits_queue_order_and_early_slots():
         assert await a.take_if_free()
         assert (adm.running, adm.waiting) == (1, 2)
         order = []
-
-        async def body(ticket, name):
-            async with ticket.slot():
-                order.append(name)
-                await asyncio.sleep(0.01)
-
-        tasks = [asyncio.create_task(body(t, n)) for t, n in ((b, "b"), (c, "c"))]
+        tasks = [asyncio.create_task(in_slot(t, order, n, 0.01)) for t, n in ((b, "b"), (c, "c"))]
         await asyncio.sleep(0.01)
         assert order == [] and adm.waiting == 2
         a.release()  # the slot goes to b, the longest waiting
@@ -49,12 +50,7 @@ def test_a_slot_given_back_goes_to_the_woken_waiter_not_a_newcomer():
         first = adm.admit()
         assert await first.take_if_free()
         got = []
-
-        async def body(ticket):
-            async with ticket.slot():
-                got.append("waiter")
-
-        task = asyncio.create_task(body(adm.admit()))
+        task = asyncio.create_task(in_slot(adm.admit(), got, "waiter"))
         await asyncio.sleep(0.01)
         first.release()  # wakes the waiter, which has not run yet ...
         newcomer = adm.admit()
@@ -73,13 +69,8 @@ def test_a_waiter_cancelled_after_its_wake_up_passes_it_on():
         first = adm.admit()
         assert await first.take_if_free()
         got = []
-
-        async def body(ticket, name):
-            async with ticket.slot():
-                got.append(name)
-
-        b = asyncio.create_task(body(adm.admit(), "b"))
-        c = asyncio.create_task(body(adm.admit(), "c"))
+        b = asyncio.create_task(in_slot(adm.admit(), got, "b"))
+        c = asyncio.create_task(in_slot(adm.admit(), got, "c"))
         await asyncio.sleep(0.01)
         first.release()  # wakes b ...
         b.cancel()  # ... which leaves before it runs: c must get the slot

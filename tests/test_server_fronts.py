@@ -41,10 +41,7 @@ def server(upstream_ckpt):
 
 
 def speech_count(url: str, status: int) -> float:
-    for line in httpx.get(url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
-        if line.startswith(f'chattts_requests_total{{route="/v1/audio/speech",status="{status}"}} '):
-            return float(line.split()[1])
-    return 0.0
+    return metric(url, f'chattts_requests_total{{route="/v1/audio/speech",status="{status}"}}', AUTH, default=0)
 
 
 def test_both_fronts_take_connections_and_metrics_count_them_all(server):

@@ -59,9 +59,7 @@ class Metrics:
         self.refresh()
         if not others:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Summed(list(self.registry.collect()), others))
-        return generate_latest(registry), CONTENT_TYPE_LATEST
+        return _expose(_Summed(list(self.registry.collect()), others))
 
     def own(self) -> list[Metric]:
         """This process's request counters and histograms (not the gauges: the engine's and the admission's
@@ -103,8 +101,8 @@ def _watch_gc(metrics: Metrics) -> None:
 
 
 class _Summed:
-    """Families with other fronts' counter and histogram samples added in (a ``_created`` sample: the
-    earliest)."""
+    """Families with other fronts' samples (``Metrics.own``: counters and histograms) added in (a ``_created``
+    sample: the earliest)."""
 
     def __init__(self, families: list[Metric], others: list[list[Metric]]):
         self.families, self.others = families, others
@@ -115,7 +113,7 @@ class _Summed:
             for family in families:
                 extra.setdefault(family.name, []).extend(family.samples)
         for family in self.families:
-            if family.name not in extra or family.type not in ("counter", "histogram"):
+            if family.name not in extra:
                 yield family
                 continue
             values = {(s.name, tuple(sorted(s.labels.items()))): s for s in family.samples}
@@ -151,6 +149,11 @@ class _Replicas:
 
 def render_replicas(families_by_replica: dict[str, list[Metric]]) -> tuple[bytes, str]:
     """One exposition of several replicas' ``Metrics.collect()``, every series labelled with its replica."""
+    return _expose(_Replicas(families_by_replica))
+
+
+def _expose(collector) -> tuple[bytes, str]:
+    """The exposition of what ``collector`` yields."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Replicas(families_by_replica))
+    registry.register(collector)
     return generate_latest(registry), CONTENT_TYPE_LATEST
