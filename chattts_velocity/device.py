@@ -29,3 +29,10 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r}: the model runs on cpu or cuda; devices here are {here}")
     return dev
+
+
+def default_engine_dtype(device: torch.device | str | None) -> str:
+    """The engine dtype the serving entry points (``serve``, ``webui``, ``synth``, ``bench``, a Ray replica) use
+    unless told otherwise: float16 on CUDA (the GPU's fast path), float32 on the CPU (exact, and what its matmuls
+    are fastest at). ``Chat.load`` keeps float32 as its own default, as upstream's Python API computes."""
+    return "float16" if resolve_device(device).type == "cuda" else "float32"

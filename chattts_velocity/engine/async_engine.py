@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .config import EngineConfig
 from .llm_engine import EngineStats, LLMEngine
 from .sampling_params import SamplingParams
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence
@@ -219,6 +220,16 @@ class AsyncLLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's settings (``EngineConfig``)."""
+        return self.engine.config
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens the whole KV cache holds (``LLMEngine.kv_capacity``)."""
+        return self.engine.kv_capacity
 
     # ---------------------------------------------------------------- any thread
     def add_requests(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams],
