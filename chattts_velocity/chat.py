@@ -22,22 +22,21 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
+import pybase16384 as b14
 import torch
 
-from .audio import StreamConfig
+from .audio import AudioDecoder, StreamConfig
+from .audio.silence import audible
+from .device import resolve_device
+from .engine import AsyncLLMEngine, EngineConfig, EngineShutdownError, LLMEngine
 from .gc_freeze import freeze_long_lived, thaw
+from .model.loader import LoadedModel, ModelLoader, resolve_model_dir
 from .params import InferCodeParams, RefineTextParams
-from .velocity import audible
-
-if TYPE_CHECKING:
-    from .audio import AudioDecoder
-    from .engine import AsyncLLMEngine
-    from .model.loader import LoadedModel
-    from .reference import ReferencePath
-    from .velocity import VelocityPath
+from .pipeline import Pipeline, refined_texts
+from .reference import ReferencePath
+from .text import Normalizer, encode_prompt, model_texts
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ class _Loaded:
     device: torch.device
     audio: AudioDecoder
     engine: AsyncLLMEngine
-    velocity: VelocityPath
+    pipeline: Pipeline
     reference: ReferencePath
 
     def close(self) -> None:
@@ -67,8 +66,6 @@ class Chat:
     InferCodeParams = InferCodeParams
 
     def __init__(self, logger: logging.Logger | None = None):
-        from .text import Normalizer
-
         self.logger = logger or logging.getLogger(__name__)
         self.normalizer = Normalizer(self.logger)
         self._loaded: _Loaded | None = None
@@ -80,7 +77,7 @@ class Chat:
 
     @property
     def engine(self) -> AsyncLLMEngine | None:
-        """The shared ``AsyncLLMEngine`` (after ``load``); ``engine.engine`` is the ``LLMEngine`` it steps."""
+        """The shared ``AsyncLLMEngine`` (after ``load``)."""
         return None if self._loaded is None else self._loaded.engine
 
     @property
@@ -92,11 +89,14 @@ class Chat:
         return self._require().audio
 
     @property
-    def _velocity(self) -> VelocityPath:
-        return self._require().velocity
+    def pipeline(self) -> Pipeline:
+        """The velocity pipeline over the shared engine (what ``infer(use_velocity=True)`` runs; a front's
+        ``LocalClient`` runs requests through it too)."""
+        return self._require().pipeline
 
     @property
-    def _reference(self) -> ReferencePath:
+    def reference(self) -> ReferencePath:
+        """The reference decode (``infer(use_velocity=False)``), which reproduces upstream exactly."""
         return self._require().reference
 
     # ------------------------------------------------------------------ loading
@@ -121,16 +121,12 @@ class Chat:
         compatibility and change nothing.
 
         On CUDA the objects alive after loading (the model's, the libraries') are frozen out of the garbage
-        collector's scans (``gc_freeze.freeze_long_lived``): a full collection walking them paused a 256-stream
-        generation for 250-350 ms at a time. ``unload``, and a load that replaces a model, thaw them first.
+        collector's scans (``gc_freeze.freeze_long_lived``): a full collection walking them would pause a
+        many-stream generation. ``unload``, and a load that replaces a model, thaw them first.
 
         Atomic: everything new is built before the previous model is let go, so a load that fails leaves the
         previous one loaded and usable (while both exist, both take memory). Returns True; raises
         ``ModelNotFoundError``/``ValueError``."""
-        from .device import resolve_device
-        from .engine import EngineConfig
-        from .model.loader import ModelLoader, resolve_model_dir
-
         engine_config = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -192,7 +188,7 @@ class Chat:
         refine pass) returns no audio. To stop only one streaming call, close its generator."""
         loaded = self._loaded
         if loaded is not None:
-            loaded.velocity.interrupt()
+            loaded.pipeline.interrupt()
             loaded.reference.interrupt()
 
     # ------------------------------------------------------------------ inference
@@ -221,8 +217,8 @@ class Chat:
             raise ValueError(f"max_split_batch must be an int >= 1, got {max_split_batch!r}")
         if not isinstance(use_velocity, bool):
             raise ValueError(f"use_velocity must be a bool, got {use_velocity!r}")
-        texts = self._prepare_texts(text, split_text, lang, do_text_normalization, do_homophone_replacement)
-        path = state.velocity if use_velocity else state.reference
+        texts = self.prepare_texts(text, split_text, lang, do_text_normalization, do_homophone_replacement)
+        path = state.pipeline if use_velocity else state.reference
         start = path.interrupts
         with self._serving(state):
             if not skip_refine_text:
@@ -262,8 +258,6 @@ class Chat:
     @contextlib.contextmanager
     def _serving(self, state: _Loaded) -> Iterator[None]:
         """Turn an engine shut down under a running call (``unload`` or another ``load``) into a clear error."""
-        from .engine import EngineShutdownError
-
         try:
             yield
         except EngineShutdownError:
@@ -291,16 +285,17 @@ class Chat:
                 self.logger.warning("infer was interrupted: the stream ends with the audio generated before it")
                 return
 
-    def _prepare_texts(self, text, split_text, lang, do_norm, do_homophone) -> list[str]:
-        """``text`` (a str or a list of str) as the texts to synthesise (see ``text.prepare_texts``)."""
-        from .text import model_texts
-
-        return model_texts(self._require().model, self.normalizer, text, split_text, lang, do_norm, do_homophone)
+    def prepare_texts(self, text, split_text: bool = True, lang: str | None = None,
+                      do_text_normalization: bool = True, do_homophone_replacement: bool = True) -> list[str]:
+        """``text`` (a str or a list of str) as the texts ``infer`` synthesises: normalised and, with
+        ``split_text``, split into sentences (see ``text.prepare_texts``); ``ValueError`` if nothing readable
+        is left."""
+        return model_texts(self._require().model, self.normalizer, text, split_text, lang, do_text_normalization,
+                           do_homophone_replacement)
 
     def _refine(self, path, texts: list[str], params: RefineTextParams) -> list[str]:
-        """Refined texts; ids from ``[break_0]`` on are dropped, as upstream does."""
-        tok = path.model.tokenizer
-        return tok.decode([ids[ids < tok.break_0_ids] for ids in path.refine(texts, params)])
+        """Refined texts (``pipeline.refined_texts``)."""
+        return refined_texts(path.model.tokenizer, path.refine(texts, params))
 
 
 def _params(value, cls: type, name: str):
@@ -315,18 +310,11 @@ def _params(value, cls: type, name: str):
 
 def _voice_sample(state: _Loaded, wav: np.ndarray) -> str:
     """The voice-sample string of ``wav`` through ``state``'s DVAE encoder."""
-    from .text import encode_prompt
-
     return encode_prompt(state.audio.sample_audio(wav))
 
 
 def _build(model, device: torch.device, engine_config, stream_config: StreamConfig) -> _Loaded:
     """The audio decoder, engine and both paths over ``model``; nothing is shared with a previous load."""
-    from .audio import AudioDecoder
-    from .engine import AsyncLLMEngine, LLMEngine
-    from .reference import ReferencePath
-    from .velocity import VelocityPath
-
     audio = AudioDecoder(model.dvae, model.decoder, model.vocos, device)
     engine = AsyncLLMEngine(LLMEngine.from_model(model, engine_config, device))
     if not engine.engine.worker.core.shares_weights(model.gpt.llama):
@@ -335,14 +323,12 @@ def _build(model, device: torch.device, engine_config, stream_config: StreamConf
         freed = model.gpt.release_llama()
         logger.info("reference Llama weights released until first use (%.0f MiB)", freed / 2**20)
     return _Loaded(model=model, device=device, audio=audio, engine=engine,
-                   velocity=VelocityPath(engine, model, audio, stream_config),
+                   pipeline=Pipeline(engine, model, audio, stream_config),
                    reference=ReferencePath(model, audio, device))
 
 
 def _set_coef(model, coef: str) -> None:
     """Upstream's ``coef``: a base16384 string of 100 float32 mel scales for the DVAE and the Decoder."""
-    import pybase16384 as b14
-
     try:
         values = np.frombuffer(b14.decode_from_string(coef), dtype=np.float32).copy()
     except Exception as e:  # noqa: BLE001 - any decoding failure is the caller's malformed string

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .audio.silence import audible
 from .model.gpt import ChatGPT, position_ids_from_mask
 from .sampling.processors import process_logits
-from .velocity import audible
+from .text import check_context, decode_prompt, decorate_code_prompts, decorate_text_prompts, speaker_vector
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +190,6 @@ class ReferencePath:
         return self.refine_ids(texts, p).ids
 
     def refine_ids(self, texts: list[str], p) -> GenerationOutput:
-        from .text import decorate_text_prompts
-
         tok = self.model.tokenizer
         settings = _settings(p, text_mode=True, eos_id=tok.eos_token, row_cap=tok.len, temperature=p.temperatures(1))
         return _last(self._generate(decorate_text_prompts(texts, p.prompt), settings, None, None, stream=False))
@@ -215,8 +214,6 @@ class ReferencePath:
         yield tail[:, audible(tail).any(axis=0)]
 
     def infer_code(self, texts: list[str], stream: bool, p) -> Iterator[GenerationOutput]:
-        from .text import decode_prompt, decorate_code_prompts, speaker_vector
-
         cfg = self.model.config
         codes = None
         if p.spk_smp is not None:
@@ -228,8 +225,6 @@ class ReferencePath:
         return self._generate(prompts, settings, codes, spk, stream)
 
     def _generate(self, prompts: list[str], settings: DecodeSettings, codes, spk, stream: bool):
-        from .text import check_context
-
         model, dev = self.model, self.device
         input_ids, attention_mask, text_mask = model.tokenizer.encode(prompts, model.config.num_vq, prompt=codes)
         limit = model.config.max_position_embeddings

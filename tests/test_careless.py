@@ -132,7 +132,7 @@ def test_text_with_nothing_readable_is_rejected_naming_it(chat, text, caplog):
 
 
 def test_a_sentence_with_nothing_readable_is_dropped_from_a_split_text(chat):
-    assert chat._prepare_texts("Hello there. 😀😀. World", True, None, True, True) == ["Hello there. ", "World"]
+    assert chat.prepare_texts("Hello there. 😀😀. World", True, None, True, True) == ["Hello there. ", "World"]
 
 
 # ---------------------------------------------------------------- 4. long text
@@ -162,7 +162,7 @@ def test_a_request_cut_by_the_kv_cache_finishes_saying_so(small_chat, caplog):
     prompt = code_prompt(small_chat, "a long speech")
     *_, final = small_chat.engine.add_request(prompt, params(min_new_tokens=300, max_new_tokens=300))
     assert final.finish_reason is FinishReason.CAPACITY and final.num_generated == 128 - prompt.ids.size(0)
-    with caplog.at_level("WARNING", logger="chattts_velocity.velocity"):
+    with caplog.at_level("WARNING", logger="chattts_velocity.pipeline"):
         wav = infer_one(small_chat, "a long speech", max_new_token=300, min_new_token=300)[0]
     assert wav.size > 0
     assert any("cut short" in r.message and "KV cache" in r.message for r in caplog.records)
@@ -192,15 +192,15 @@ def test_bad_weights_are_rejected_at_load_naming_file_and_tensor(ckpt_copy, file
 def test_nan_samples_are_never_stripped_as_silence(chat, monkeypatch, caplog, stream):
     wav = np.array([np.nan, 0.0, 0.5, np.nan], dtype=np.float32)
     if stream:
-        from chattts_velocity.velocity import _aligned
+        from chattts_velocity.audio.joins import aligned
 
         class Done:
             done = True
 
-        chunk = _aligned({"r": [wav]}, {"r": Done()}, ["r"])
+        chunk = aligned({"r": [wav]}, {"r": Done()}, ["r"])
         assert chunk.shape == (1, 3) and np.isnan(chunk).sum() == 2
         return
-    monkeypatch.setattr(chat._velocity, "speak", lambda texts, p, use_decoder: [wav.copy() for _ in texts])
+    monkeypatch.setattr(chat.pipeline, "speak", lambda texts, p, use_decoder: [wav.copy() for _ in texts])
     with caplog.at_level("WARNING"):
         (out,) = infer_one(chat)
     assert out.size == 3 and np.isnan(out).sum() == 2  # the silent sample goes, the NaN ones stay
@@ -222,7 +222,7 @@ def test_a_failed_reload_leaves_the_previous_model_loaded_and_usable(own_chat, c
 
 # ---------------------------------------------------------------- 8. streams and interrupts
 def test_stream_with_more_texts_than_sequences_interrupted_frees_everything(small_chat, monkeypatch):
-    pump = small_chat._velocity.pump
+    pump = small_chat.pipeline.pump
     decode = pump.decode
 
     def interrupt_at_first_audio(windows, use_decoder):
@@ -241,7 +241,7 @@ def test_a_stream_that_fails_frees_its_requests(small_chat, monkeypatch):
     def broken(windows, use_decoder):
         raise RuntimeError("decoder failed")
 
-    monkeypatch.setattr(small_chat._velocity.pump, "decode", broken)
+    monkeypatch.setattr(small_chat.pipeline.pump, "decode", broken)
     gen = small_chat.infer(["one text", "two"], stream=True, skip_refine_text=True, split_text=False,
                            params_infer_code=quick(max_new_token=200, min_new_token=200))
     with pytest.raises(RuntimeError, match="decoder failed") as kept:  # the exception (and its frames) live on
@@ -253,7 +253,7 @@ def test_a_stream_that_fails_frees_its_requests(small_chat, monkeypatch):
 @pytest.mark.parametrize("stream", [False, True])
 def test_interrupt_during_refine_ends_the_call_without_audio_and_says_why(chat, monkeypatch, caplog, use_velocity,
                                                                           stream):
-    path = chat._velocity if use_velocity else chat._reference
+    path = chat.pipeline if use_velocity else chat.reference
     refine = path.refine
 
     def interrupted_refine(texts, p):

@@ -22,8 +22,8 @@ def engine_is_idle(chat) -> bool:
 
 def test_velocity_codes_equal_reference_under_argmax(chat):
     p = Chat.InferCodeParams(max_new_token=30, min_new_token=5, **ARGMAX)
-    fast = chat._velocity.codes(list(TEXTS), p)
-    ref = list(chat._reference.infer_code(list(TEXTS), False, p))[-1]
+    fast = chat.pipeline.codes(list(TEXTS), p)
+    ref = list(chat.reference.infer_code(list(TEXTS), False, p))[-1]
     for i, (a, b) in enumerate(zip(fast, ref.ids, strict=True)):
         assert torch.equal(a.ids, b), f"text {i}: codes differ"
     for i, (a, b) in enumerate(zip(fast, ref.hiddens, strict=True)):
@@ -67,7 +67,7 @@ def test_velocity_stream_matches_the_offline_call(chat):
     kw = dict(skip_refine_text=True, split_text=False, params_infer_code=p)
     offline = chat.infer(["stream this text"], **kw)[0]
     chunks = list(chat.infer(["stream this text"], stream=True, **kw))
-    cfg = chat._velocity.stream_config
+    cfg = chat.pipeline.stream_config
     # the first chunk holds first_chunk tokens of audio; then one chunk per `chunk` tokens, then the tail
     assert chunks[0].shape[0] == 1 and chunks[0].shape[1] <= cfg.first_chunk * 512
     assert len(chunks) >= 1 + (60 - cfg.first_chunk - cfg.lookahead) // cfg.chunk
@@ -75,11 +75,11 @@ def test_velocity_stream_matches_the_offline_call(chat):
     # a bounded context moves samples near the silence threshold, which both paths drop
     assert abs(streamed.size - offline.size) <= 16 and offline.size > 50 * 480
     exact = StreamConfig(left_context=52, lookahead=52, first_chunk=8, chunk=24)
-    saved, chat._velocity.stream_config = chat._velocity.stream_config, exact
+    saved, chat.pipeline.stream_config = chat.pipeline.stream_config, exact
     try:
         streamed = np.concatenate(list(chat.infer(["stream this text"], stream=True, **kw)), axis=1)[0]
     finally:
-        chat._velocity.stream_config = saved
+        chat.pipeline.stream_config = saved
     assert streamed.shape == offline.shape and np.allclose(streamed, offline, atol=1e-5)
 
 
@@ -113,11 +113,11 @@ def test_engine_settings_on_load(upstream_ckpt):
 def test_joined_stream_is_the_texts_in_order_with_faded_joins(chat):
     """A server's long input: sentences generated several at once, streamed in order as one signal; the joins
     are faded out and in over FADE samples, nothing is dropped or inserted."""
-    from chattts_velocity.velocity import FADE
+    from chattts_velocity.audio.joins import FADE
 
     texts = ["first sentence here", "second one", "and a third", "fourth to finish"]
     p = Chat.InferCodeParams(manual_seed=4, max_new_token=40, min_new_token=20, show_tqdm=False)
-    path = chat._velocity
+    path = chat.pipeline
     joined = np.concatenate(list(path.stream_joined(texts, p, in_flight=2)))
     alone = [np.concatenate(list(path.stream_joined([t], p))) for t in texts]
     assert joined.size == sum(a.size for a in alone)
@@ -166,7 +166,7 @@ def test_joined_stream_read_without_blocking_gives_the_same_audio(chat):
 
     texts = ["first sentence here", "second one", "and a third"]
     p = Chat.InferCodeParams(manual_seed=7, max_new_token=40, min_new_token=20, show_tqdm=False)
-    path = chat._velocity
+    path = chat.pipeline
     blocking = np.concatenate(list(path.stream_joined(texts, p, in_flight=2)))
 
     audio = path.stream_joined(texts, p, in_flight=2)
@@ -198,7 +198,7 @@ def test_joined_stream_started_early_runs_before_its_first_next_with_the_same_au
 
     texts = ["first sentence here", "second one", "and a third"]
     p = Chat.InferCodeParams(manual_seed=7, max_new_token=40, min_new_token=20, show_tqdm=False)
-    path = chat._velocity
+    path = chat.pipeline
     blocking = np.concatenate(list(path.stream_joined(texts, p, in_flight=2)))
 
     submitted = chat.engine.stats().num_requests
@@ -228,7 +228,7 @@ def test_joined_stream_cancel_from_another_thread_aborts_its_requests(chat):
     import threading
 
     p = Chat.InferCodeParams(manual_seed=4, max_new_token=300, min_new_token=300, show_tqdm=False)
-    audio = chat._velocity.stream_joined(["long one", "long two", "long three"], p, in_flight=3)
+    audio = chat.pipeline.stream_joined(["long one", "long two", "long three"], p, in_flight=3)
     first = next(audio)
     worker = threading.Thread(target=lambda: [None for _ in audio])  # a thread inside the iterator
     worker.start()
@@ -240,11 +240,11 @@ def test_joined_stream_cancel_from_another_thread_aborts_its_requests(chat):
 
 def test_velocity_path_warns_when_a_text_hits_its_length_limit(chat, caplog):
     p = Chat.InferCodeParams(manual_seed=0, max_new_token=6, min_new_token=6, show_tqdm=False)
-    with caplog.at_level("WARNING", logger="chattts_velocity.velocity"):
+    with caplog.at_level("WARNING", logger="chattts_velocity.pipeline"):
         chat.infer(["cut me short"], skip_refine_text=True, split_text=False, params_infer_code=p)
     assert any("hit its length limit after 6 tokens" in r.message for r in caplog.records)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="chattts_velocity.velocity"):
+    with caplog.at_level("WARNING", logger="chattts_velocity.pipeline"):
         list(chat.infer(["cut me short"], stream=True, skip_refine_text=True, split_text=False, params_infer_code=p))
     assert any("length limit" in r.message for r in caplog.records)
 

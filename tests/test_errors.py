@@ -25,14 +25,14 @@ def test_text_longer_than_context_without_splitting(chat):
 
 def test_long_text_is_split_to_fit_the_context(chat):
     long_text = " ".join(["hello world"] * 400)
-    pieces = chat._prepare_texts(long_text, True, None, True, True)
+    pieces = chat.prepare_texts(long_text, True, None, True, True)
     assert len(pieces) > 1
     assert all(chat.model.tokenizer.count(p) <= 256 for p in pieces)
     assert " ".join(p.strip() for p in pieces).split() == long_text.split()
 
 
 def test_unbreakable_text_longer_than_context_is_cut_at_characters(chat):
-    pieces = chat._prepare_texts("的" * 2000, True, None, True, True)
+    pieces = chat.prepare_texts("的" * 2000, True, None, True, True)
     assert "".join(pieces) == "的" * 2000 and len(pieces) == 8  # 2000 tokens in pieces of at most 256
     assert all(chat.model.tokenizer.count(p) <= 256 for p in pieces)
 

@@ -27,7 +27,7 @@ def cuda_pair(upstream_ckpt):
 def test_reference_path_matches_upstream_on_cuda(cuda_pair):
     ours, up = cuda_pair
     kw = dict(manual_seed=5, max_new_token=60, show_tqdm=False)
-    out = list(ours._reference.infer_code(list(TEXTS), False, ours.InferCodeParams(**kw)))[-1]
+    out = list(ours.reference.infer_code(list(TEXTS), False, ours.InferCodeParams(**kw)))[-1]
     ref = next(up._infer_code(list(TEXTS), False, torch.device("cuda"), True, up.InferCodeParams(**kw)))
     for a, b in zip(out.ids, ref.ids, strict=True):
         assert torch.equal(a.cpu(), b.cpu())

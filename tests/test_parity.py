@@ -62,7 +62,7 @@ def test_codes_hiddens_and_wavs_match_upstream(chat, upstream_chat, use_decoder)
     ours_p = code_params(chat.InferCodeParams, spk_emb=spk)
     up_p = code_params(upstream_chat.InferCodeParams, spk_emb=spk)
     ref = next(upstream_chat._infer_code(list(TEXTS), False, torch.device("cpu"), use_decoder, up_p))
-    out = list(chat._reference.infer_code(list(TEXTS), False, ours_p))[-1]
+    out = list(chat.reference.infer_code(list(TEXTS), False, ours_p))[-1]
     assert len(out.ids) == len(ref.ids) == len(TEXTS)
     for a, b in zip(out.ids, ref.ids, strict=True):
         assert torch.equal(a, b), "audio codes differ from upstream"
@@ -83,7 +83,7 @@ def test_sequences_end_at_eos_like_upstream(chat, upstream_chat):
     """Lengths differ inside a batch (EOS ends a sequence; EOS is not part of the output)."""
     p = code_params(chat.InferCodeParams, max_new_token=120, manual_seed=5)
     up = code_params(upstream_chat.InferCodeParams, max_new_token=120, manual_seed=5)
-    out = list(chat._reference.infer_code(list(TEXTS), False, p))[-1]
+    out = list(chat.reference.infer_code(list(TEXTS), False, p))[-1]
     ref = next(upstream_chat._infer_code(list(TEXTS), False, torch.device("cpu"), True, up))
     lengths = [len(x) for x in out.ids]
     assert lengths == [len(x) for x in ref.ids]
@@ -99,7 +99,7 @@ def test_refine_tokens_match_upstream(chat, upstream_chat):
     theirs = upstream_chat.infer(list(TEXTS), refine_text_only=True, split_text=False,
                                  params_refine_text=upstream_chat.RefineTextParams(**kw))
     assert ours == theirs
-    ours_ids = chat._reference.refine_ids(list(TEXTS), chat.RefineTextParams(**kw)).ids
+    ours_ids = chat.reference.refine_ids(list(TEXTS), chat.RefineTextParams(**kw)).ids
     assert len(ours_ids) == len(ref.ids) == len(TEXTS)
     for a, b in zip(ours_ids, ref.ids, strict=True):
         assert torch.equal(a, b), "refine tokens differ from upstream"
@@ -152,7 +152,7 @@ def test_sequence_ending_at_the_first_step_with_a_seed(chat, upstream_chat):
     first step under ``manual_seed``; we keep the batch going and give that sequence an empty result."""
     for seed in range(200):
         spk = fixed_speaker(upstream_chat, seed)
-        first = list(chat._reference.infer_code(list(TEXTS), False, code_params(chat.InferCodeParams, spk_emb=spk,
+        first = list(chat.reference.infer_code(list(TEXTS), False, code_params(chat.InferCodeParams, spk_emb=spk,
                                                                       max_new_token=1)))[-1]
         if any(len(x) == 0 for x in first.ids):
             break
@@ -161,7 +161,7 @@ def test_sequence_ending_at_the_first_step_with_a_seed(chat, upstream_chat):
     with pytest.raises(StopIteration):
         next(upstream_chat._infer_code(list(TEXTS), False, torch.device("cpu"), True,
                                        code_params(upstream_chat.InferCodeParams, spk_emb=spk)))
-    out = list(chat._reference.infer_code(list(TEXTS), False, code_params(chat.InferCodeParams, spk_emb=spk)))[-1]
+    out = list(chat.reference.infer_code(list(TEXTS), False, code_params(chat.InferCodeParams, spk_emb=spk)))[-1]
     lengths = [len(x) for x in out.ids]
     assert 0 in lengths and max(lengths) > 1
     wavs = chat.infer(list(TEXTS), use_velocity=False, skip_refine_text=True, split_text=False,

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from server_helpers import free_port
 
-from chattts_velocity import velocity
+from chattts_velocity import pipeline
 from chattts_velocity.audio.pump import PENDING
 from chattts_velocity.server import ServerConfig
 from chattts_velocity.server.app import build_app
@@ -40,7 +40,7 @@ def url(chat):
 @pytest.fixture
 def failing(monkeypatch):
     """The joined audio yields one chunk (PENDING while there is none yet, as the server reads it), then raises."""
-    real = velocity.JoinedAudio.__next__
+    real = pipeline.JoinedAudio.__next__
     chunks = {}
 
     def next_then_fail(self):
@@ -51,7 +51,7 @@ def failing(monkeypatch):
             chunks[id(self)] = 1
         return item
 
-    monkeypatch.setattr(velocity.JoinedAudio, "__next__", next_then_fail)
+    monkeypatch.setattr(pipeline.JoinedAudio, "__next__", next_then_fail)
 
 
 @pytest.mark.parametrize("fmt", ["pcm", "wav", "mp3"])

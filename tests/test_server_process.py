@@ -182,7 +182,7 @@ def test_prompts_cross_the_pipe_as_plain_arrays(upstream_ckpt):
         request = SpeechRequest(model="tts-1", voice="alloy", input="One sentence here. And a second one!", seed=3)
         prompts, params = prepare_prompts(kit, VoiceRegistry(kit), config, request)
         texts, code = speech_plan(chat, VoiceRegistry(chat), config, request)
-        expected = chat._velocity._code_prompts(texts, code)
+        expected = chat.pipeline.code_prompts(texts, code)
         assert len(prompts) == len(expected) == 2
         buf = io.BytesIO()
         ForkingPickler(buf).dump(("run", "r0", _arrays(prompts), params))
@@ -242,10 +242,10 @@ def test_a_request_the_engine_process_refuses_ends_its_audio_with_the_error(upst
         def refuse(*args, **kwargs):
             raise ValueError("the engine says no")
 
-        chat._velocity.joined = refuse
+        chat.pipeline.joined = refuse
         samples, failure = read(front.run(*prepare_prompts(front.kit, VoiceRegistry(front.kit), config, request)))
         assert samples == 0 and isinstance(failure, RuntimeError) and "the engine says no" in str(failure)
-        del chat._velocity.joined  # the engine process serves the next request
+        del chat.pipeline.joined  # the engine process serves the next request
         samples, failure = read(front.run(*prepare_prompts(front.kit, VoiceRegistry(front.kit), config, request)))
         assert failure is None and samples > 0
     finally:

@@ -118,7 +118,7 @@ def test_generate_shows_refined_text_and_a_reproducible_wav(url, chat, speaker):
     args = generate_args(speaker, SHORT, stream=False, refine=True)
     first = client.predict(*args, api_name="/generate")
     second = client.predict(*args, api_name="/generate")
-    sentences = chat._prepare_texts(SHORT, True, None, True, True)
+    sentences = chat.prepare_texts(SHORT, True, None, True, True)
     assert first[0] != SHORT and len(first[0].split("\n")) == len(sentences) > 1  # refined, one per line
     audio = wav_of(first)
     assert audio.size > 0.2 * 24000 and np.abs(audio).max() > 0
@@ -156,8 +156,8 @@ def test_stop_cancels_only_that_visitors_request_and_frees_its_blocks(url, chat,
     assert chat.engine.wait_idle(timeout=30)  # the aborts are applied
     stats = chat.engine.stats()
     new = {rid: times.finish_reason for rid, times in stats.requests.items() if rid not in before}
-    sentences = len(chat._prepare_texts(SHORT * 3, True, None, True, True)) + len(
-        chat._prepare_texts(LONG, True, None, True, True))
+    sentences = len(chat.prepare_texts(SHORT * 3, True, None, True, True)) + len(
+        chat.prepare_texts(LONG, True, None, True, True))
     assert FinishReason.ABORT in new.values()
     assert len(new) < sentences  # the stopped visitor's later sentences were never submitted
     assert stats.engine.max_batch_size > CONFIG.in_flight  # the two visitors' sentences shared engine batches

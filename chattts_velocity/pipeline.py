@@ -1,4 +1,5 @@
-"""``Chat``'s ``use_velocity=True`` path: every text becomes its own request in the shared ``AsyncLLMEngine``
+"""The velocity pipeline (``Chat``'s ``use_velocity=True`` path, and what every front runs through its
+``EngineClient``): every text becomes its own request in the shared ``AsyncLLMEngine``
 (with the call's ``manual_seed``, so a text's output never depends on its neighbours), tokenised and validated
 once. Concurrent calls from any number of threads meet in the engine's batches; each gets its own results.
 
@@ -19,21 +20,17 @@ import torch
 from tqdm import tqdm
 
 from .audio import AudioPump, StreamConfig
-from .audio.pump import PENDING
+from .audio.joins import aligned, faded
+from .audio.pump import PENDING, take_ready
 from .engine import AsyncLLMEngine, FinishReason, Mode, Prompt, RequestOutput, RequestStream, SamplingParams
 from .engine.sequence import Sequence
 from .params import InferCodeParams, RefineTextParams
+from .text import check_context, decode_prompt, decorate_code_prompts, decorate_text_prompts, speaker_vector
+
+__all__ = ["PENDING", "Generated", "JoinedAudio", "Pipeline", "code_prompts", "refined_texts", "sampling_params",
+           "take_ready", "text_prompts"]
 
 logger = logging.getLogger(__name__)
-
-SILENCE = np.float32(1e-5)
-"""Samples at or below this magnitude are dropped from the returned audio, as upstream does."""
-
-
-def audible(samples: np.ndarray) -> np.ndarray:
-    """Where ``samples`` are above ``SILENCE``. NaN counts as audible: a broken decode must never pass for
-    silence and vanish (``np.abs(nan) > x`` is False)."""
-    return ~(np.abs(samples) <= SILENCE)
 
 
 @dataclass
@@ -56,15 +53,14 @@ def sampling_params(p: RefineTextParams, mode: Mode, num_vq: int) -> SamplingPar
 
 
 AUDIO_ROUND_S = 0.05
-"""Default ``AudioPump.round_interval_s``. On an H100 the speech server with rounds paced at 50 ms against
-unpaced (`bash benchmarks/gpu_serve.sh --audio-round-ms 0` then `50`, same machine): first audio p50 at 64
-streams 1.18 s -> 0.33 s, audio delivered 122 -> 213 s per s; at 256 streams 1.10 s -> 0.73 s, 243 -> 329.
-A first chunk is never held back, a later one at most 50 ms, well inside the 170 ms of audio the first chunk
-already holds."""
+"""Default ``AudioPump.round_interval_s``: paced rounds of later chunks leave the engine more of its time and
+lower first audio under load (`chattts-velocity bench serve`, rounds at 0 against 50 ms; docs/perf/). A first
+chunk is never held back, a later one at most this long, well inside the audio the first chunk already holds."""
 
 
-class VelocityPath:
-    """Refine, code and audio passes of ``Chat`` through one shared engine."""
+class Pipeline:
+    """Refine, code and audio passes through one shared engine: prompts, sampling parameters, requests and
+    their audio (whole, streamed in [B, n] chunks, or joined into one stream per request)."""
 
     def __init__(self, engine: AsyncLLMEngine, model, audio, stream_config: StreamConfig):
         self.engine = engine
@@ -91,15 +87,16 @@ class VelocityPath:
     # ---------------------------------------------------------------- passes
     def refine(self, texts: list[str], p: RefineTextParams) -> list[torch.Tensor]:
         """Refined text ids per text."""
-        from .text import decorate_text_prompts
-
-        prompts = self._prompts(decorate_text_prompts(texts, p.prompt), None, None)
-        stream = self._submit(prompts, sampling_params(p, Mode.TEXT, self.model.config.num_vq))
+        stream = self.submit(self.text_prompts(texts, p), self.text_params(p))
         return [g.ids for g in self._collect(stream, "text", p)]
+
+    def refine_texts(self, texts: list[str], p: RefineTextParams) -> list[str]:
+        """The texts after the refine pass (``refined_texts`` of ``refine``'s ids)."""
+        return refined_texts(self.model.tokenizer, self.refine(texts, p))
 
     def codes(self, texts: list[str], p: InferCodeParams) -> list[Generated]:
         """Audio codes and hidden states per text."""
-        return self._collect(self._submit(self._code_prompts(texts, p), self._code_params(p)), "code", p)
+        return self._collect(self.submit(self.code_prompts(texts, p), self.code_params(p)), "code", p)
 
     def speak(self, texts: list[str], p: InferCodeParams, use_decoder: bool) -> list[np.ndarray]:
         """Full wavs (not yet silence-stripped), each decoded at its own length."""
@@ -110,7 +107,7 @@ class VelocityPath:
     def stream(self, texts: list[str], p: InferCodeParams, use_decoder: bool) -> Iterator[np.ndarray]:
         """[B, n] chunks of the texts' audio as it is generated, silence columns dropped as upstream does with
         its last chunk. Rows stay aligned: a chunk ends where the slowest unfinished row's audio ends."""
-        stream = self._submit(self._code_prompts(texts, p), self._code_params(p))
+        stream = self.submit(self.code_prompts(texts, p), self.code_params(p))
         rows: dict[str, list[np.ndarray]] = {rid: [] for rid in stream.request_ids}  # decoded, not yet yielded
         bar = _bar(p, "code")
         try:
@@ -121,7 +118,7 @@ class VelocityPath:
                         _warn_if_cut(out)
                     for rid, samples in delivery.samples.items():
                         rows[rid] += samples
-                    chunk = _aligned(rows, delivery.done, stream.request_ids)
+                    chunk = aligned(rows, delivery.done, stream.request_ids)
                     if chunk is not None:
                         yield chunk
         finally:
@@ -134,22 +131,22 @@ class VelocityPath:
         sentences): up to ``in_flight`` texts generate at once, the next one is submitted as one finishes, and
         each join is smoothed by a short fade out and in (no gap, no click). Every text is validated now, before
         the iterator is returned (``ValueError`` naming the text)."""
-        return self.joined(self._code_prompts(texts, p), self._code_params(p), use_decoder, in_flight)
+        return self.joined(self.code_prompts(texts, p), self.code_params(p), use_decoder, in_flight)
 
     def joined(self, prompts: list[Prompt], params: SamplingParams, use_decoder: bool = True,
                in_flight: int = 4) -> JoinedAudio:
         """``stream_joined`` of prompts already built (``code_prompts``), validated again here."""
         return JoinedAudio(self, self.engine.make_sequences(prompts, params), use_decoder, in_flight)
 
-    def _feed(self, stream: RequestStream, use_decoder: bool, notify=None):
+    def feed(self, stream: RequestStream, use_decoder: bool, notify=None):
         """Start turning ``stream``'s outputs into audio (``AudioPump.open``)."""
         return self.pump.open(stream, self.stream_config, use_decoder, notify)
 
-    def _samples(self, stream: RequestStream, use_decoder: bool, notify=None, feed=None) -> Iterator[np.ndarray]:
+    def samples(self, stream: RequestStream, use_decoder: bool, notify=None, feed=None) -> Iterator[np.ndarray]:
         """One request's audio as it is generated (each chunk decoded once, batched with other calls'). With
         ``notify``, ``PENDING`` instead of waiting (``Feed``). ``feed``: the stream's feed, if already open."""
         (rid,) = stream.request_ids
-        with feed or self._feed(stream, use_decoder, notify) as feed:
+        with feed or self.feed(stream, use_decoder, notify) as feed:
             for delivery in feed:
                 if delivery is PENDING:
                     yield delivery
@@ -160,19 +157,28 @@ class VelocityPath:
                     yield np.concatenate(samples)
 
     # ---------------------------------------------------------------- requests
-    def _code_params(self, p: InferCodeParams) -> SamplingParams:
+    def code_params(self, p: InferCodeParams) -> SamplingParams:
+        """The engine parameters of an audio-code pass under ``p``."""
         return sampling_params(p, Mode.CODE, self.model.config.num_vq)
 
-    def _code_prompts(self, texts: list[str], p: InferCodeParams) -> list[Prompt]:
+    def text_params(self, p: RefineTextParams) -> SamplingParams:
+        """The engine parameters of a refine pass under ``p``."""
+        return sampling_params(p, Mode.TEXT, self.model.config.num_vq)
+
+    def code_prompts(self, texts: list[str], p: InferCodeParams) -> list[Prompt]:
+        """The audio-code prompts of ``texts`` (``code_prompts`` for this model)."""
         return code_prompts(self.model.tokenizer, self.model.config, texts, p)
 
-    def _prompts(self, decorated: list[str], codes, spk) -> list[Prompt]:
-        return tokenized_prompts(self.model.tokenizer, self.model.config, decorated, codes, spk)
+    def text_prompts(self, texts: list[str], p: RefineTextParams) -> list[Prompt]:
+        """The refine prompts of ``texts`` (``text_prompts`` for this model)."""
+        return text_prompts(self.model.tokenizer, self.model.config, texts, p)
 
-    def _submit(self, prompts: list[Prompt], params: SamplingParams) -> RequestStream:
-        return self._track(self.engine.add_requests(prompts, params))
+    def submit(self, prompts: list[Prompt], params: SamplingParams) -> RequestStream:
+        """Validate and queue ``prompts`` (``ValueError`` naming the first bad one); one stream yields their
+        outputs. ``interrupt`` aborts it."""
+        return self.track(self.engine.add_requests(prompts, params))
 
-    def _track(self, stream: RequestStream) -> RequestStream:
+    def track(self, stream: RequestStream) -> RequestStream:
         """Remember a stream in flight, for ``interrupt``."""
         with self._lock:
             self._live.add(stream)
@@ -196,8 +202,6 @@ class VelocityPath:
 def code_prompts(tokenizer, cfg, texts: list[str], p: InferCodeParams) -> list[Prompt]:
     """The audio-code prompts of ``texts`` under ``p`` (speaker, voice sample, prompt decorations) for a model
     of config ``cfg``: needs only its tokenizer (a server's front prepares requests without the model)."""
-    from .text import decode_prompt, decorate_code_prompts, speaker_vector
-
     codes = None
     if p.spk_smp is not None:
         codes = decode_prompt(p.spk_smp, num_vq=cfg.num_vq, num_codes=cfg.num_audio_tokens)
@@ -206,9 +210,18 @@ def code_prompts(tokenizer, cfg, texts: list[str], p: InferCodeParams) -> list[P
                              codes, spk)
 
 
-def tokenized_prompts(tokenizer, cfg, decorated: list[str], codes, spk) -> list[Prompt]:
-    from .text import check_context
+def text_prompts(tokenizer, cfg, texts: list[str], p: RefineTextParams) -> list[Prompt]:
+    """The refine prompts of ``texts`` under ``p`` for a model of config ``cfg``."""
+    return tokenized_prompts(tokenizer, cfg, decorate_text_prompts(texts, p.prompt), None, None)
 
+
+def refined_texts(tokenizer, ids: list[torch.Tensor]) -> list[str]:
+    """Refine passes' ids as texts; ids from ``[break_0]`` on are dropped, as upstream does."""
+    return tokenizer.decode([t[t < tokenizer.break_0_ids] for t in ids])
+
+
+def tokenized_prompts(tokenizer, cfg, decorated: list[str], codes, spk) -> list[Prompt]:
+    """Prompts of already decorated texts, each checked against the model's context."""
     prompts = []
     for text in decorated:
         ids, _, text_mask = tokenizer.encode([text], cfg.num_vq, prompt=codes)
@@ -218,7 +231,7 @@ def tokenized_prompts(tokenizer, cfg, decorated: list[str], codes, spk) -> list[
 
 
 class JoinedAudio:
-    """Iterator of ``VelocityPath.stream_joined``'s chunks. ``cancel`` (or ``close``) may be called from any
+    """Iterator of ``Pipeline.stream_joined``'s chunks. ``cancel`` (or ``close``) may be called from any
     thread, even while another thread is inside ``next``: it ends the stream and aborts its requests, without
     touching the generator (which cannot be closed while it runs).
 
@@ -227,7 +240,7 @@ class JoinedAudio:
     the audio pump's thread (the engine's, mostly) whenever one may be (an event loop serves many streams
     without a thread each)."""
 
-    def __init__(self, path: VelocityPath, seqs: list[Sequence], use_decoder: bool, in_flight: int):
+    def __init__(self, path: Pipeline, seqs: list[Sequence], use_decoder: bool, in_flight: int):
         self._lock = threading.Lock()
         self._path, self._use_decoder, self._in_flight = path, use_decoder, in_flight
         self._waiting = list(reversed(seqs))  # not submitted yet, the next one last
@@ -252,15 +265,14 @@ class JoinedAudio:
     def start(self) -> None:
         """Submit the first texts now instead of at the first ``next``, and open the first one's audio feed (a
         non-blocking one if ``on_ready`` was given before): the engine starts on them while the caller does
-        other work first (a server's event loop sending the headers of a burst of requests took 37-43 ms
-        p50 before a body's first ``next``, on an H100 at 64 streams). After the first ``next`` (or a second
-        time) it does nothing."""
+        other work first (a server's event loop sends the headers of a whole burst of requests before any
+        body's first ``next``). After the first ``next`` (or a second time) it does nothing."""
         with self._lock:
             if self._started or self._cancelled:
                 return
             self._started = True
         if self._fill() and self._live:
-            self._first_feed = self._path._feed(self._live[0], self._use_decoder, self._notify)
+            self._first_feed = self._path.feed(self._live[0], self._use_decoder, self._notify)
 
     def cancel(self) -> None:
         with self._lock:
@@ -277,7 +289,7 @@ class JoinedAudio:
             with self._lock:
                 if self._cancelled:
                     return False
-                stream = self._path._track(self._path.engine.submit([self._waiting[-1]]))
+                stream = self._path.track(self._path.engine.submit([self._waiting[-1]]))
                 self._waiting.pop()
                 self._live.append(stream)
         return True
@@ -293,7 +305,7 @@ class JoinedAudio:
                 first = len(self._waiting) + len(self._live) == self._total
                 last = not self._waiting and len(self._live) == 1
                 feed, self._first_feed = self._first_feed, None
-                yield from _faded(path._samples(self._live[0], use_decoder, self._notify, feed), first, last)
+                yield from faded(path.samples(self._live[0], use_decoder, self._notify, feed), first, last)
                 with self._lock:
                     done = self._live.pop(0)
                     if self._cancelled:
@@ -301,59 +313,6 @@ class JoinedAudio:
                 done.close()
         finally:
             self.cancel()
-
-
-FADE = 120
-"""Samples (5 ms at 24 kHz) faded out at the end and in at the start of a joined text."""
-
-
-def _faded(chunks: Iterator[np.ndarray], first: bool, last: bool) -> Iterator[np.ndarray]:
-    """``chunks`` faded in over their first ``FADE`` samples unless ``first``, and out over their last unless
-    ``last`` (those are held back until the stream ends). ``PENDING`` passes through."""
-    ramp = np.linspace(0.0, 1.0, FADE, dtype=np.float32)
-    hold = 0 if last else FADE
-    pending, fading_in = np.zeros(0, dtype=np.float32), not first
-    for chunk in chunks:
-        if chunk is PENDING:
-            yield chunk
-            continue
-        pending = np.concatenate([pending, chunk])
-        if fading_in:
-            if pending.size < FADE:
-                continue
-            pending[:FADE] *= ramp
-            fading_in = False
-        if pending.size > hold:
-            yield pending[: pending.size - hold]
-            pending = pending[pending.size - hold :]
-    n = pending.size
-    if fading_in:
-        pending = pending * ramp[:n]
-    if not last:
-        pending = pending * ramp[::-1][FADE - n :]
-    if n:
-        yield pending
-
-
-def _aligned(rows: dict[str, list[np.ndarray]], done: frozenset[str], order) -> np.ndarray | None:
-    """Take the samples every unfinished row has ([B, n]; finished rows, those in ``done``, padded with zeros),
-    minus the columns that are silent in every row; None if there is nothing to yield yet."""
-    for rid in order:
-        if len(rows[rid]) > 1:
-            rows[rid] = [np.concatenate(rows[rid])]
-    have = {rid: rows[rid][0].size if rows[rid] else 0 for rid in order}
-    live = [have[rid] for rid in order if rid not in done]
-    n = min(live) if live else max(have.values())
-    if n == 0:
-        return None
-    chunk = np.zeros((len(order), n), dtype=np.float32)
-    for i, rid in enumerate(order):
-        if rows[rid]:
-            row = rows[rid][0]
-            chunk[i, : min(n, row.size)] = row[:n]
-            rows[rid] = [row[n:]] if row.size > n else []
-    chunk = chunk[:, audible(chunk).any(axis=0)]
-    return chunk if chunk.shape[1] else None
 
 
 def _warn_if_cut(out: RequestOutput) -> None:
