@@ -46,7 +46,7 @@ def main() -> None:
     import ChatTTS
 
     from chattts_velocity import Chat
-    from chattts_velocity.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
+    from chattts_velocity.constants import SAMPLE_RATE, SAMPLES_PER_TOKEN
     from chattts_velocity.model.checkpoint import write_checkpoint
 
     root = tempfile.mkdtemp()
@@ -64,7 +64,7 @@ def main() -> None:
         texts = ["Hello world, this is a benchmark sentence."] * b
         t_up, ref = _time(lambda texts=texts: next(up._infer_code(list(texts), False, device, True, up.InferCodeParams(**kw))),
                           device, args.repeats)
-        t_ours, out = _time(lambda texts=texts: list(ours._reference.infer_code(list(texts), False, ours.InferCodeParams(**kw)))[-1],
+        t_ours, out = _time(lambda texts=texts: list(ours.reference.infer_code(list(texts), False, ours.InferCodeParams(**kw)))[-1],
                             device, args.repeats)
         same = all(torch.equal(a.cpu(), r.cpu()) for a, r in zip(out.ids, ref.ids, strict=True))
         audio_s = args.steps * SAMPLES_PER_TOKEN / SAMPLE_RATE * b

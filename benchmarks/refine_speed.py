@@ -26,7 +26,7 @@ def timed(chat: Chat, path, batch: int, tokens: int, seed: int) -> float:
     if chat.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    chat._refine(path, [f"{TEXT} {i}" for i in range(batch)], params)
+    path.refine([f"{TEXT} {i}" for i in range(batch)], params)
     if chat.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -55,7 +55,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for batch in args.batch:
         rates = {}
-        for name, path in (("reference", chat._reference), ("velocity", chat._velocity)):
+        for name, path in (("reference", chat.reference), ("velocity", chat.pipeline)):
             timed(chat, path, batch, min(args.tokens, 16), 0)  # warm-up
             runs = [timed(chat, path, batch, args.tokens, seed) for seed in range(args.repeats)]
             rates[name] = batch * args.tokens / statistics.median(runs)

@@ -1,5 +1,5 @@
 """Where a loaded server's time goes, without HTTP: N threads each stream R requests one after another through
-``VelocityPath.stream_joined`` (what a server request runs: the text split into sentences, up to 4 in flight),
+``Pipeline.stream_joined`` (what a server request runs: the text split into sentences, up to 4 in flight),
 on full-size random weights, while the engine's steps and the audio rounds are timed on the engine thread.
 
     python benchmarks/serve_timeline.py --streams 8 64 256 --requests 2 --tokens 500
@@ -21,13 +21,13 @@ import time
 import numpy as np
 
 from chattts_velocity.bench.serve import TEXT
-from chattts_velocity.bench.stream import StreamBenchConfig, load_chat
-from chattts_velocity.config import SAMPLE_RATE
+from chattts_velocity.bench.stream import StreamBenchConfig, load_bench_chat
+from chattts_velocity.constants import SAMPLE_RATE
 from chattts_velocity.server import ServerConfig
 
 
 def instrument(chat):
-    llm, pump = chat.engine.engine, chat._velocity.pump
+    llm, pump = chat.engine.engine, chat.pipeline.pump
     log = LOG_ENGINE
     step, wake, decode = llm.step, pump.wake, pump.decode
     windows = [0]
@@ -241,7 +241,7 @@ def engine_paths(engine_times, begin: float) -> dict:
 
 def level(chat, log, streams: int, requests: int, tokens: int) -> dict:
     reset(log)
-    texts = chat._prepare_texts(TEXT, True, None, True, True)
+    texts = chat.prepare_texts(TEXT, True, None, True, True)
     spk = chat.sample_random_speaker()
     firsts, audio_s, errors = [], [], []
     lock = threading.Lock()
@@ -252,7 +252,7 @@ def level(chat, log, streams: int, requests: int, tokens: int) -> dict:
                                      min_new_token=tokens, show_tqdm=False)
             start, first, n = time.perf_counter(), None, 0
             try:
-                for chunk in chat._velocity.stream_joined(texts, p, use_decoder=True, in_flight=4):
+                for chunk in chat.pipeline.stream_joined(texts, p, use_decoder=True, in_flight=4):
                     if first is None:
                         first = time.perf_counter() - start
                     n += chunk.size
@@ -488,11 +488,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    chat = load_chat(StreamBenchConfig(size=args.size), max(args.streams) * 4)
+    chat = load_bench_chat(StreamBenchConfig(size=args.size), max(args.streams) * 4)
     chat.engine.engine.scheduler.max_window_tokens = args.max_window_tokens
     log = instrument(chat)
     if args.http:  # what `serve` runs before it listens (the window-decode graphs, the engine's shapes)
-        from chattts_velocity.server.run import warm_up
+        from chattts_velocity.serving.load import warm_up
 
         t0 = time.perf_counter()
         warm_up(chat)
@@ -503,8 +503,8 @@ def main() -> None:
                               max_new_token=args.tokens, min_new_token=args.min_new_token)
         url = (start_split_server if args.split else start_server)(chat, config)
     rows = []
-    for interval in args.round_interval or [chat._velocity.pump.round_interval_s]:
-        chat._velocity.pump.round_interval_s = interval
+    for interval in args.round_interval or [chat.pipeline.pump.round_interval_s]:
+        chat.pipeline.pump.round_interval_s = interval
         for clients in args.clients if args.http else [1]:
             for n in args.streams:
                 row = (level_http(chat, log, url, n, args.requests, clients, args.events) if args.http

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from chattts_velocity.bench.stream import TEXT, StreamBenchConfig, load_chat
+from chattts_velocity.bench.stream import TEXT, StreamBenchConfig, load_bench_chat
 
 
 def main() -> None:
@@ -20,8 +20,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=200)
     args = ap.parse_args()
-    chat = load_chat(StreamBenchConfig(), 8)
-    pump = chat._velocity.pump
+    chat = load_bench_chat(StreamBenchConfig(), 8)
+    pump = chat.pipeline.pump
     decodes: list[tuple[float, float, int]] = []
     original = pump.decode
 

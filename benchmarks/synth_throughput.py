@@ -18,7 +18,7 @@ import time
 import soundfile as sf
 
 from chattts_velocity import Chat
-from chattts_velocity.config import SAMPLE_RATE
+from chattts_velocity.constants import SAMPLE_RATE
 from chattts_velocity.synth import SynthConfig, synth
 
 
