@@ -169,7 +169,7 @@ def attention_probe(dtype) -> None:
 
 def attention_sweep(dtype) -> None:
     """The decode kernel's tile and warp choices, unsplit, at the batches where it is bandwidth-bound."""
-    from chattts_velocity.kernels._triton import decode as dec
+    from chattts_velocity.kernels._triton import decode_attention as dec
 
     print("\n== decode kernel sweep (unsplit), us per layer call ==")
     heads, dim, bs = 12, 64, 16

@@ -3,27 +3,48 @@
 on full-size random weights, while the engine's steps and the audio rounds are timed on the engine thread.
 
     python benchmarks/serve_timeline.py --streams 8 64 256 --requests 2 --tokens 500
-    python benchmarks/serve_timeline.py --http ...   # the same engine served over HTTP, driven by `bench serve`
+    python benchmarks/serve_timeline.py --http ...           # the same engine served over HTTP, driven by `bench serve`
+    python benchmarks/serve_timeline.py --http --split ...   # the HTTP front in a process of its own
 
 Per level: wall time, audio seconds per second, first audio p50/p99, and the engine thread's time split into
 scheduler steps (prefill steps, decode windows), audio rounds and waiting, with the rounds' decode calls, windows
-per call and distinct window lengths per round."""
+per call and distinct window lengths per round.
+
+With ``--http``: ``build_app`` over a ``LocalClient``, timed at public seams: an ``Admission`` notes when the
+handler admits a request, an ``EngineClient`` wrapper when ``start`` returned (prepared, on the event loop),
+``Streams.response`` when the response is built, its ``body_iterator`` the encoded bytes (a request queued for
+a running slot waits inside it). ``--split``: an ``EngineHost`` here, a ``RemoteClient`` front in a spawned
+process (its HTTP phases not reported)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import multiprocessing as mp
 import resource
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from contextvars import ContextVar
 
 import numpy as np
 
 from chattts_velocity.bench.serve import TEXT
 from chattts_velocity.bench.stream import StreamBenchConfig, load_bench_chat
 from chattts_velocity.constants import SAMPLE_RATE
-from chattts_velocity.server import ServerConfig
+from chattts_velocity.gc_freeze import freeze_long_lived
+from chattts_velocity.server import ServerConfig, build_app
+from chattts_velocity.server.admission import Admission
+from chattts_velocity.serving.client import EngineClient
+from chattts_velocity.serving.engine_process.host import EngineHost
+from chattts_velocity.serving.engine_process.messages import FrontEnds, open_pipes
+from chattts_velocity.serving.engine_process.remote import RemoteClient
+from chattts_velocity.serving.load import warm_up
+from chattts_velocity.serving.local import LocalClient
 
 
 def instrument(chat):
@@ -32,7 +53,7 @@ def instrument(chat):
     step, wake, decode = llm.step, pump.wake, pump.decode
     windows = [0]
     parts = {"schedule": [0.0], "launch": [0.0], "launch_next": [0.0], "collect": [0.0], "output": [0.0]}
-    owners = {"schedule": llm.scheduler, "launch": llm.worker, "launch_next": llm.worker, "collect": llm.worker,
+    owners = {"schedule": llm.scheduler, "launch": llm.runner, "launch_next": llm.runner, "collect": llm.runner,
               "output": llm}
     log["parts"] = parts
 
@@ -48,7 +69,7 @@ def instrument(chat):
     for name, owner in owners.items():
         attr = "_output" if name == "output" else name
         setattr(owner, attr, timer(name, getattr(owner, attr)))
-    launch, launch_next = llm.worker.launch, llm.worker.launch_next
+    launch, launch_next = llm.runner.launch, llm.runner.launch_next
 
     def counted_launch(plan):
         windows[0] += plan.decode
@@ -92,7 +113,7 @@ def instrument(chat):
 
     pump.audio.to_wavs = timed_to_wavs
     llm.step, pump.wake, pump.decode = timed_step, timed_wake, timed_decode
-    llm.worker.launch, llm.worker.launch_next = counted_launch, counted_next
+    llm.runner.launch, llm.runner.launch_next = counted_launch, counted_next
     return log
 
 
@@ -109,9 +130,6 @@ def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 
     """The same load over HTTP: ``chattts-velocity bench serve`` (a process of its own, which splits the streams
     over ``clients`` client processes started together) against the server that runs in this process on the
     instrumented engine."""
-    import subprocess
-    import tempfile
-
     reset(log)
     phases = LOG_HTTP
     for spans in phases.values():
@@ -169,9 +187,9 @@ def http_phases(requests: list[dict], stamps: dict) -> dict:
         sent = r["sent"]
         parts = {
             "client send -> server app called": st["app"] - sent,
-            "app called -> handler entered (body read, validation)": st["handler_in"] - st["app"],
-            "handler": st["handler_out"] - st["handler_in"],
-            "handler out -> headers sent": st["start"] - st["handler_out"],
+            "app called -> admitted (body read, validation)": st["handler_in"] - st["app"],
+            "admitted -> response built (prepare, start)": st["handler_out"] - st["handler_in"],
+            "response built -> headers sent": st["start"] - st["handler_out"],
             "headers sent -> client has headers": sent + r["head"] - st["start"],
             "headers sent -> first audio sent": st["body"] - st["start"],
             "first audio sent -> client has it": sent + r["ttfa"] - st["body"],
@@ -189,10 +207,10 @@ def request_phases(chat, phases, begin: float, wall: float) -> dict:
     requests in it (its total time over the wall time: Little's law). Engine phases are per sentence."""
     engine = [t for t in chat.engine.stats().requests.values() if t.queued >= begin and t.finished]
     spans = {
-        "handler: request in -> prepared": [b - a for a, b in phases["handler"]],
-        "prepare (worker thread)": [b - a for a, b in phases["prepare"]],
-        "body: first next -> last chunk": [b - a for a, b in phases["body"]],
-        "body: first next -> first chunk out": [b - a for a, b in phases["first_chunk"]],
+        "handler: admitted -> response built": [b - a for a, b in phases["handler"]],
+        "prepare: admitted -> client.start returned": [b - a for a, b in phases["prepare"]],
+        "body: first next -> last bytes": [b - a for a, b in phases["body"]],
+        "body: first next -> first bytes out": [b - a for a, b in phases["first_chunk"]],
         "event loop lag (10 ms sleeps)": [lag for t, lag in phases["loop_lag"] if t >= begin],
         "engine: queued -> first token": [t.first_token - t.queued for t in engine if t.first_token],
         "engine: first token -> first audio": [t.first_audio - t.first_token for t in engine
@@ -309,15 +327,24 @@ def engine_thread(log, wall: float) -> dict:
     }
 
 
+LOG_ENGINE = {"steps": [], "wakes": [], "decodes": []}
 LOG_HTTP = {"handler": [], "prepare": [], "body": [], "first_chunk": [], "loop_lag": []}
 LOG_STAMPS: dict[str, dict[str, float]] = {}
-"""X-Request-Id -> when (``time.monotonic``) the app was called, the handler entered and left, the headers and
-the first audio were sent."""
+"""X-Request-Id -> when (``time.monotonic``) the app was called, the request admitted, its response built, the
+headers and the first audio sent."""
+REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)  # set by StampApp, on the task
+ADMITTED: ContextVar[float | None] = ContextVar("admitted", default=None)  # set by TimedAdmission
+
+
+def stamp(**times: float) -> None:
+    rid = REQUEST_ID.get()
+    if rid is not None:
+        LOG_STAMPS.setdefault(rid, {}).update(times)
 
 
 class StampApp:
     """ASGI wrapper: notes when a request with an ``X-Request-Id`` reaches the app and when its headers and its
-    first body bytes are handed to the server."""
+    first body bytes are handed to the server; the handler (same task) sees the id in ``REQUEST_ID``."""
 
     def __init__(self, app):
         self.app = app
@@ -326,6 +353,7 @@ class StampApp:
         rid = dict(scope.get("headers") or []).get(b"x-request-id") if scope["type"] == "http" else None
         if rid is None:
             return await self.app(scope, receive, send)
+        REQUEST_ID.set(rid.decode())
         st = LOG_STAMPS.setdefault(rid.decode(), {})
         st["app"] = time.monotonic()
 
@@ -337,69 +365,90 @@ class StampApp:
             await send(message)
 
         return await self.app(scope, receive, stamped)
-LOG_ENGINE = {"steps": [], "wakes": [], "decodes": []}
 
 
-def start_server(chat, config) -> str:
-    """The speech server over ``chat`` on a free loopback port, on a thread of this process; its URL."""
-    import asyncio
-    import socket
+async def lag_monitor() -> None:
+    """How late the event loop runs a 10 ms sleep's wake-up."""
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(0.01)
+        LOG_HTTP["loop_lag"].append((t, time.monotonic() - t - 0.01))
 
-    import uvicorn
 
-    from chattts_velocity.server import app as server_app
-    from chattts_velocity.server.app import build_app
+class TimedAdmission(Admission):
+    """Notes when the handler admits a request (its first step after validation); starts ``lag_monitor``."""
 
-    phases = LOG_HTTP
-    prepare, produced = server_app._prepare, server_app._produced
+    monitor: asyncio.Task | None = None
 
-    def timed_prepare(*args):
-        t0 = time.monotonic()
-        try:
-            return prepare(*args)
-        finally:
-            phases["prepare"].append((t0, time.monotonic()))
+    def admit(self):
+        if TimedAdmission.monitor is None:
+            TimedAdmission.monitor = asyncio.get_running_loop().create_task(lag_monitor())
+        t = time.monotonic()
+        ADMITTED.set(t)
+        stamp(handler_in=t)
+        return super().admit()
 
-    async def timed_produced(*args):
-        t0, first = time.monotonic(), True
-        try:
-            async for chunk in produced(*args):
-                if first:
-                    phases["first_chunk"].append((t0, time.monotonic()))
-                    first = False
-                yield chunk
-        finally:
-            phases["body"].append((t0, time.monotonic()))
 
-    speech = server_app._speech
+class TimedClient:
+    """``client`` as it is (every other name passed through), noting when ``start`` returned (prepared)."""
 
-    async def lag_monitor():  # how late the event loop runs a 10 ms sleep's wake-up
-        while True:
-            t = time.monotonic()
-            await asyncio.sleep(0.01)
-            phases["loop_lag"].append((t, time.monotonic() - t - 0.01))
+    def __init__(self, client: EngineClient):
+        self.client = client
 
-    monitor = []
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
 
-    async def timed_speech(*args):
-        if not monitor:
-            monitor.append(asyncio.get_running_loop().create_task(lag_monitor()))
-        t0 = time.monotonic()
-        rid = args[2].headers.get("x-request-id")
-        try:
-            return await speech(*args)
-        finally:
-            t1 = time.monotonic()
-            phases["handler"].append((t0, t1))
-            if rid is not None:
-                LOG_STAMPS.setdefault(rid, {}).update(handler_in=t0, handler_out=t1)
+    def start(self, prompts, params, in_flight: int):
+        audio = self.client.start(prompts, params, in_flight)
+        LOG_HTTP["prepare"].append((ADMITTED.get(), time.monotonic()))
+        return audio
 
-    server_app._prepare, server_app._produced, server_app._speech = timed_prepare, timed_produced, timed_speech
 
+def timed_app(chat, config: ServerConfig):
+    """The speech app over ``chat`` (``LocalClient``) with the handler's steps and the bodies timed: the
+    admission, ``start`` and the public ``Streams.response`` wrapped, the body's bytes iterator with it."""
+    app = build_app(TimedClient(LocalClient(chat)), config, TimedAdmission(config.max_concurrent, config.max_queue))
+    streams = app.state.speech.streams
+    response = streams.response
+
+    def timed_response(*args):
+        out = response(*args)
+        t0, t1 = ADMITTED.get(), time.monotonic()
+        LOG_HTTP["handler"].append((t0, t1))
+        stamp(handler_out=t1)
+        out.body_iterator = timed_body(out.body_iterator)
+        return out
+
+    streams.response = timed_response
+    return StampApp(app)
+
+
+async def timed_body(body):
+    """``body``'s bytes, timed from the first ``next`` (the response started) to the first bytes and to the end."""
+    t0, first = time.monotonic(), True
+    try:
+        async for data in body:
+            if first:
+                LOG_HTTP["first_chunk"].append((t0, time.monotonic()))
+                first = False
+            yield data
+    finally:
+        LOG_HTTP["body"].append((t0, time.monotonic()))
+        await body.aclose()
+
+
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(StampApp(build_app(chat, config)), host="127.0.0.1", port=port,
+        return sock.getsockname()[1]
+
+
+def start_server(chat, config: ServerConfig) -> str:
+    """The speech server over ``chat`` on a free loopback port, on a thread of this process; its URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(timed_app(chat, config), host="127.0.0.1", port=port,
                                            log_level="warning", timeout_keep_alive=config.keep_alive_s))
     threading.Thread(target=server.run, name="uvicorn", daemon=True).start()
     deadline = time.monotonic() + 60
@@ -410,41 +459,29 @@ def start_server(chat, config) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def _front(cmd, events, audio, config, port: int) -> None:
-    """The HTTP front of ``start_split_server``, in a process of its own."""
+def front_main(ends: FrontEnds, config: ServerConfig, port: int) -> None:
+    """The HTTP front of ``start_split_server``, in a process of its own (as ``run.serve_fronts``' fronts)."""
     import uvicorn
 
-    from chattts_velocity.gc_freeze import freeze_long_lived
-    from chattts_velocity.server.app import build_app
-    from chattts_velocity.server.split import EngineProcess
-
-    handle = EngineProcess(cmd, events, audio)
-    handle.wait_ready()
-    freeze_long_lived()  # as run.serve_split
-    uvicorn.run(build_app(handle, config), host="127.0.0.1", port=port, log_level="warning",
-                timeout_keep_alive=config.keep_alive_s)
+    client = RemoteClient(ends)
+    client.wait_ready()
+    app = build_app(client, config)
+    freeze_long_lived()
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=config.keep_alive_s)
 
 
-def start_split_server(chat, config) -> str:
-    """``serve --engine-process`` turned around: the engine is served from this process (instrumented, as
-    ``_Host`` serves it in the engine process), the HTTP front runs in a spawned process; its URL. The HTTP
-    phases are the front's, so only the engine's are reported."""
-    import multiprocessing as mp
-    import socket
-
+def start_split_server(chat, config: ServerConfig) -> str:
+    """``serve --engine-process`` turned around: the engine is served from this process (instrumented; an
+    ``EngineHost`` over ``LocalClient``, as the engine process serves it), the HTTP front (a ``RemoteClient``)
+    runs in a spawned process; its URL. The HTTP phases are the front's, so only the engine's are reported."""
     import httpx
 
-    from chattts_velocity.server.split import _Host
-
     ctx = mp.get_context("spawn")
-    cmd_in, cmd = ctx.Pipe(duplex=False)
-    events, events_out = ctx.Pipe(duplex=False)
-    audio, audio_out = ctx.Pipe(duplex=False)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx.Process(target=_front, args=(cmd, events, audio, config, port), daemon=True).start()
-    host = _Host(chat, config, [(cmd_in, events_out, audio_out)])
+    engine_ends, front_ends = open_pipes(1, ctx)
+    port = free_port()
+    ctx.Process(target=front_main, args=(front_ends[0], config, port), daemon=True).start()
+    front_ends[0].close()  # the front's now: when it exits, the host sees its pipes close
+    host = EngineHost(LocalClient(chat), engine_ends)
     host.announce()
     threading.Thread(target=host.serve, name="host", daemon=True).start()
     url = f"http://127.0.0.1:{port}"
@@ -492,8 +529,6 @@ def main() -> None:
     chat.engine.engine.scheduler.max_window_tokens = args.max_window_tokens
     log = instrument(chat)
     if args.http:  # what `serve` runs before it listens (the window-decode graphs, the engine's shapes)
-        from chattts_velocity.serving.load import warm_up
-
         t0 = time.perf_counter()
         warm_up(chat)
         print(f"server warm-up {time.perf_counter() - t0:.1f} s", flush=True)

@@ -34,7 +34,7 @@ def main() -> None:
     for i in range(args.batch):
         engine.add_request(str(i), prompt, params)
     engine.step()  # prefill
-    decoder = engine.worker.runner.decoder
+    decoder = engine.runner.decoder
     seqs = [seq for seq in engine.scheduler.running]
     decoder.run(seqs, 1)  # load the batch into the graph's buffers
     graph = decoder.graphs[decoder._bucket(len(seqs)), False]

@@ -48,7 +48,7 @@ def main() -> None:
     def gpu_mib() -> str:
         return f"; GPU memory allocated {torch.cuda.memory_allocated() / 2**20:.0f} MiB" if cuda else ""
 
-    core = chat.engine.engine.worker.core
+    core = chat.engine.engine.runner.core
     core_tensors = [t for layer in core.layers for t in vars(layer).values()] + [core.norm]
     hf_tensors = list(chat.model.gpt.llama.parameters())
     mib = 2**20

@@ -317,7 +317,7 @@ def _build(model, device: torch.device, engine_config, stream_config: StreamConf
     """The audio decoder, engine and both paths over ``model``; nothing is shared with a previous load."""
     audio = AudioDecoder(model.dvae, model.decoder, model.vocos, device)
     engine = AsyncLLMEngine(LLMEngine.from_model(model, engine_config, device))
-    if not engine.engine.worker.core.shares_weights(model.gpt.llama):
+    if not engine.engine.runner.core.shares_weights(model.gpt.llama):
         # the engine holds its own copy (another dtype or device): the reference path's is read again from
         # the checkpoint on its first use
         freed = model.gpt.release_llama()

@@ -1,6 +1,9 @@
 """``chattts-velocity`` command line: ``say`` (text to a wav file), ``synth`` (a file of lines to audio files),
 ``serve`` (the OpenAI-compatible speech server), ``webui`` (the Gradio web demo), ``make-checkpoint`` (random
-weights) and ``bench`` (reference vs velocity engine on random weights)."""
+weights) and ``bench`` (reference vs velocity engine on random weights).
+
+The package's own modules are imported here, at the top; only those that need an optional dependency (the server
+extras, Ray, Gradio) are imported when their command runs, so the others work without them."""
 
 from __future__ import annotations
 
@@ -9,22 +12,31 @@ import logging
 import os
 import sys
 
+import numpy as np
+import soundfile as sf
+import torch
+
 from . import __version__
 from .bench.cli import add_bench_parser
-from .config import SAMPLE_RATE, SAMPLES_PER_TOKEN
-
-SERVE_WINDOW_TOKENS = 2048
-"""``serve``'s default ``EngineConfig.max_window_tokens``. Against no cap (one H100, docs/serve-history.md): at
-256 streams first audio p50/p99 1,251/1,777 -> 1,114/1,255 ms, but 263 -> 200 audio s per s; against 1024
-(README, "Serve"): no lower 64-stream tail, less throughput."""
+from .chat import Chat
+from .constants import SAMPLE_RATE, SAMPLES_PER_TOKEN
+from .model.checkpoint import write_checkpoint
+from .model.loader import ModelNotFoundError
+from .server.settings import (
+    ENGINE_DTYPES,
+    LOG_LEVELS,
+    OPTIONS,
+    SERVE_WINDOW_TOKENS,
+    SOURCES,
+    ServerConfig,
+    ServeSettings,
+    model_load,
+)
+from .serving.load import load_chat
+from .synth import cli as synth_cli
 
 
 def _say(args: argparse.Namespace) -> int:
-    import numpy as np
-    import soundfile as sf
-
-    from .chat import Chat
-
     ext = os.path.splitext(args.output)[1].lower()
     if ext not in (".wav", ".flac", ".ogg"):
         raise ValueError(f"output must end in .wav, .flac or .ogg, got {args.output!r}")
@@ -63,95 +75,31 @@ def _check_writable(path: str) -> None:
         raise ValueError(f"cannot write {path!r}: {e.strerror or e}; choose another -o/--output") from None
 
 
-def _load(args: argparse.Namespace, **engine):
-    from .chat import Chat
-
+def _load(args: argparse.Namespace) -> Chat:
+    """``Chat.load`` as the Python API does it (``say``: its own defaults, float32 included)."""
     if args.threads is not None:
-        import torch
-
         torch.set_num_threads(args.threads)
     chat = Chat()
-    chat.load(**_weights(args), **engine)
+    chat.load(**_weights(args))
     return chat
 
 
 def _weights(args: argparse.Namespace) -> dict:
-    """Where ``Chat.load`` finds the weights (--dummy, --model or --source) and its --device."""
-    if args.dummy:
-        return dict(device=args.device, load_format="dummy")
-    if args.model is not None:
-        return dict(source="custom", custom_path=args.model, device=args.device)
-    return dict(source=args.source, device=args.device)
+    return model_load(args.model, args.dummy, args.source, args.device)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import torch
-
+    settings = serve_settings(args)
     try:
-        from .server.run import serve
+        from .server.run import launch
     except ImportError as e:
         raise ValueError(f"the server needs its extras: pip install \"chattts-velocity[server]\" ({e})") from None
-    if _scaled(args):
-        if args.engine_process or args.fronts > 1:
-            raise ValueError("--engine-process (and --fronts) run one engine apart from its HTTP fronts; with "
-                             "replicas each Ray Serve replica is a process of its own already: drop one of the two")
-        try:
-            from .server.scale import run
-        except ImportError as e:
-            raise ValueError(f"replicas need Ray Serve: pip install \"chattts-velocity[scale]\" ({e})") from None
-        return run(*_scale_settings(args))
-    config = _server_config(args)
-    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    engine = dict(max_num_seqs=args.max_num_seqs or config.max_concurrent * config.in_flight_sentences,
-                  kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype or ("float16" if cuda else "float32"),
-                  max_window_tokens=_window_tokens(args))
-    if args.engine_process or args.fronts > 1:
-        from .server.run import serve_split
-
-        return serve_split({**_weights(args), **engine}, config, host=args.host, port=args.port,
-                           log_level=args.log_level, threads=args.threads, fronts=args.fronts)
-    chat = _load(args, **engine)
-    print(f"serving on http://{args.host}:{args.port} (OpenAI /v1/audio/speech)", flush=True)
-    return serve(chat, config, host=args.host, port=args.port, log_level=args.log_level)
+    return launch(settings)
 
 
-def _server_config(args: argparse.Namespace):
-    from .server import ServerConfig
-
-    return ServerConfig(
-        max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_input_chars=args.max_input_chars,
-        api_key=args.api_key, voices_dir=args.voices_dir, shutdown_timeout_s=args.shutdown_timeout,
-        max_new_token=args.max_new_token, min_new_token=args.min_new_token, keep_alive_s=args.keep_alive,
-        audio_round_ms=args.audio_round_ms,
-    )
-
-
-def _window_tokens(args: argparse.Namespace) -> int | None:
-    """``serve --max-window-tokens``: 0 means no cap."""
-    return args.max_window_tokens or None
-
-
-def _scaled(args: argparse.Namespace) -> bool:
-    return any(v is not None for v in (args.replicas, args.min_replicas, args.max_replicas, args.ray_address))
-
-
-def _scale_settings(args: argparse.Namespace):
-    """``serve --replicas``: (ScaleConfig, ServerConfig, ``Chat.load`` arguments of every replica). Device and
-    dtype left unset are chosen by each replica, where its GPU is."""
-    from .server.scale import ScaleConfig
-
-    config = _server_config(args)
-    load = dict(_weights(args), max_num_seqs=args.max_num_seqs or config.max_concurrent * config.in_flight_sentences,
-                kv_cache_gib=args.kv_cache_gib, engine_dtype=args.engine_dtype, max_window_tokens=_window_tokens(args))
-    gpus = args.gpus_per_replica if args.gpus_per_replica is not None else 0 if args.device == "cpu" else 1
-    scale = ScaleConfig(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-                        gpus_per_replica=gpus, ray_address=args.ray_address, host=args.host, port=args.port)
-    return scale, config, load
-
-
-def serve_settings(argv: list[str]):
-    """``_scale_settings`` of ``chattts-velocity serve`` options (``scale.app_builder``, for ``serve run``)."""
-    return _scale_settings(build_parser().parse_args(["serve", *argv]))
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    """The ``ServeSettings`` of parsed ``chattts-velocity serve`` options."""
+    return ServeSettings.from_options({name: value for name, value in vars(args).items() if name in OPTIONS})
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -159,7 +107,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="a folder with the upstream asset/ layout (default: 2Noise/ChatTTS from the "
                                      "Hugging Face cache, downloaded if absent)")
     src.add_argument("--dummy", action="store_true", help="full-size random weights (offline; output is noise)")
-    p.add_argument("--source", default="huggingface", choices=["huggingface", "local"],
+    p.add_argument("--source", default=SOURCES[0], choices=SOURCES,
                    help="where to find the real weights when --model is not given")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
@@ -168,50 +116,58 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_parser(sub) -> None:
+    d = ServerConfig
     s = sub.add_parser("serve", help="the OpenAI-compatible speech server (POST /v1/audio/speech)",
-                       description="One process, one engine shared by every request. Needs the server extras: "
-                                   "pip install \"chattts-velocity[server]\".")
+                       description="One engine shared by every request: in this process, in a process of its own "
+                                   "(--engine-process, --fronts) or in Ray Serve replicas (--replicas). Needs the "
+                                   "server extras: pip install \"chattts-velocity[server]\".")
     _add_model_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default=ServeSettings.host,
+                   help="address to bind (default: %(default)s, this machine only)")
+    s.add_argument("--port", type=int, default=ServeSettings.port)
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $CHATTTS_VELOCITY_API_KEY, else none)")
-    s.add_argument("--max-concurrent", type=int, default=64, help="requests generating at once (default: 64)")
-    s.add_argument("--max-queue", type=int, default=256,
-                   help="requests waiting for a slot; beyond it 429 with Retry-After (default: 256)")
-    s.add_argument("--max-input-chars", type=int, default=4096, help="longest input (default: 4096)")
+    s.add_argument("--max-concurrent", type=int, default=d.max_concurrent,
+                   help="requests generating at once (default: %(default)s)")
+    s.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests waiting for a slot; beyond it 429 with Retry-After (default: %(default)s)")
+    s.add_argument("--max-input-chars", type=int, default=d.max_input_chars, help="longest input (default: %(default)s)")
     s.add_argument("--voices-dir", default=None, help="where registered voices are kept across restarts")
-    s.add_argument("--max-new-token", type=int, default=2048, help="most audio tokens per sentence (default: 2048)")
-    s.add_argument("--min-new-token", type=int, default=0,
-                   help="audio tokens per sentence before it may end (default: 0; for benchmarks with --dummy: "
-                        "equal to --max-new-token, every request's audio has the same length)")
+    s.add_argument("--max-new-token", type=int, default=d.max_new_token,
+                   help="most audio tokens per sentence (default: %(default)s)")
+    s.add_argument("--min-new-token", type=int, default=d.min_new_token,
+                   help="audio tokens per sentence before it may end (default: %(default)s; for benchmarks with "
+                        "--dummy: equal to --max-new-token, every request's audio has the same length)")
     s.add_argument("--engine-process", action="store_true",
                    help="run the model and engine in a process of their own, this one serving HTTP (each has its "
-                        "own GIL)")
-    s.add_argument("--fronts", type=_positive_int, default=1, metavar="N",
+                        "own GIL): an engine process with one HTTP front (--fronts N for more)")
+    s.add_argument("--fronts", type=_positive_int, default=ServeSettings.fronts, metavar="N",
                    help="N HTTP front processes over one engine process (N > 1 implies --engine-process), on the "
-                        "same port (Linux SO_REUSEPORT): a burst of requests is taken in N at a time (default: 1)")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM (default: 30)")
-    s.add_argument("--keep-alive", type=int, default=75,
-                   help="seconds an idle client connection stays open (default: 75; above the 5 s for which "
-                        "HTTP clients such as httpx reuse one)")
-    s.add_argument("--audio-round-ms", type=float, default=50.0,
+                        "same port (Linux SO_REUSEPORT): a burst of requests is taken in N at a time "
+                        "(default: %(default)s)")
+    s.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
+                   help="seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)")
+    s.add_argument("--keep-alive", type=int, default=d.keep_alive_s,
+                   help="seconds an idle client connection stays open (default: %(default)s; above the 5 s for "
+                        "which HTTP clients such as httpx reuse one)")
+    s.add_argument("--audio-round-ms", type=float, default=d.audio_round_ms,
                    help="least time between audio decode rounds holding only later chunks; first chunks are "
-                        "decoded at once (default: 50; 0: after every engine step)")
+                        "decoded at once (default: %(default)s; 0: after every engine step)")
     s.add_argument("--max-num-seqs", type=int, default=None,
-                   help="engine: sequences decoded together (default: max-concurrent x 4 sentences)")
+                   help="engine: sequences decoded together (default: max-concurrent x "
+                        f"{d.in_flight_sentences} sentences)")
     s.add_argument("--kv-cache-gib", type=float, default=None, help="engine: KV cache size")
-    s.add_argument("--engine-dtype", default=None, choices=["float16", "bfloat16", "float32"],
+    s.add_argument("--engine-dtype", default=None, choices=ENGINE_DTYPES,
                    help="engine dtype (default: float16 on CUDA, float32 on CPU)")
     s.add_argument("--max-window-tokens", type=int, default=SERVE_WINDOW_TOKENS,
                    help="engine: most tokens (steps x sequences) per multi-step decode window, so arriving "
-                        f"requests wait less under load (default: {SERVE_WINDOW_TOKENS}; 0: no cap)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+                        "requests wait less under load (default: %(default)s; 0: no cap)")
+    s.add_argument("--log-level", default=ServeSettings.log_level, choices=LOG_LEVELS)
     r = s.add_argument_group("replicas (Ray Serve: pip install \"chattts-velocity[scale]\")",
                              "--replicas, --min/--max-replicas or --ray-address serve through Ray Serve: one engine "
                              "replica per GPU behind Serve's HTTP proxy on --host/--port; every other option applies "
-                             "to each replica.")
+                             "to each replica. 'serve run chattts_velocity.server.scale:app_builder' takes the same "
+                             "options as key=value (max_concurrent=128, dummy=true).")
     r.add_argument("--replicas", type=_positive_int, default=None, help="engine replicas (default: 1)")
     r.add_argument("--min-replicas", type=_positive_int, default=None,
                    help="with --max-replicas: autoscale on ongoing requests (target: 3/4 of --max-concurrent)")
@@ -224,16 +180,11 @@ def _add_serve_parser(sub) -> None:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from .synth import cli
+    def load() -> Chat:  # called only when there is work, after the input and the output folder were checked
+        return load_chat(dict(_weights(args), max_num_seqs=args.max_num_seqs, engine_dtype=args.engine_dtype),
+                         warmup=False, threads=args.threads)
 
-    def load():  # called only when there is work, after the input and the output folder were checked
-        import torch
-
-        cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-        return _load(args, max_num_seqs=args.max_num_seqs,
-                     engine_dtype=args.engine_dtype or ("float16" if cuda else "float32"))
-
-    return cli(args, load)
+    return synth_cli(args, load)
 
 
 def _add_synth_parser(sub) -> None:
@@ -259,22 +210,19 @@ def _add_synth_parser(sub) -> None:
     s.add_argument("--concurrency", type=int, default=None,
                    help="lines in flight (default: twice --max-num-seqs)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="engine: sequences decoded together (default: 64)")
-    s.add_argument("--engine-dtype", default=None, choices=["float16", "bfloat16", "float32"],
+    s.add_argument("--engine-dtype", default=None, choices=ENGINE_DTYPES,
                    help="engine dtype (default: float16 on CUDA, float32 on CPU)")
     s.set_defaults(func=_synth)
 
 
 def _webui(args: argparse.Namespace) -> int:
-    import torch
-
     try:
         from .webui import DemoConfig, launch
     except ImportError as e:
         raise ValueError(f"the web demo needs its extras: pip install \"chattts-velocity[webui]\" ({e})") from None
     config = DemoConfig(max_new_token=args.max_new_token, concurrency_limit=args.concurrency_limit,
                         max_queue=args.max_queue)
-    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    chat = _load(args, max_num_seqs=args.max_num_seqs, engine_dtype="float16" if cuda else "float32")
+    chat = load_chat(dict(_weights(args), max_num_seqs=args.max_num_seqs), threads=args.threads)
     return launch(chat, config, host=args.host, port=args.port, share=args.share)
 
 
@@ -297,8 +245,6 @@ def _add_webui_parser(sub) -> None:
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
-    from .model.checkpoint import write_checkpoint
-
     write_checkpoint(args.dir, size=args.size, seed=args.seed)
     print(f"wrote a random {args.size} ChatTTS checkpoint to {args.dir}")
     return 0
@@ -351,8 +297,6 @@ def _positive_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from .model.loader import ModelNotFoundError
-
     try:
         return args.func(args)
     except (ModelNotFoundError, ValueError) as e:

@@ -1,13 +1,22 @@
 """``RefineTextParams`` / ``InferCodeParams``: upstream ChatTTS's names and defaults, validated before any work.
-Numbers may be Python or numpy scalars; every bound is what the sampler can represent (``sampling.processors``)."""
+Numbers may be Python or numpy scalars; every bound is what the sampler can represent (``sampling.limits``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass
 
-from .sampling.processors import MAX_COUNT, MAX_PENALTY, MAX_TEMPERATURE, MIN_PENALTY, MIN_TEMPERATURE
+from .sampling.limits import (
+    MAX_COUNT,
+    MAX_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_PENALTY,
+    MIN_TEMPERATURE,
+    is_int,
+    is_num,
+    plain,
+    short,
+)
 
 _NUMERIC = ("top_P", "top_K", "temperature", "repetition_penalty", "max_new_token", "min_new_token", "manual_seed",
             "stream_batch", "stream_speed", "pass_first_n_batches")
@@ -37,31 +46,31 @@ class RefineTextParams:
         if isinstance(self.temperature, (list, tuple)) and len(temps) != num_vq:
             raise ValueError(f"temperature list must have {num_vq} entries (one per codebook), got {len(temps)}")
         for t in temps:
-            _check(_is_num(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE, "temperature", t,
+            _check(is_num(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE, "temperature", t,
                    f"a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
         if self.top_P is not None:
-            _check(_is_num(self.top_P) and 0 < self.top_P <= 1, "top_P", self.top_P, "a number in (0, 1] or None")
+            _check(is_num(self.top_P) and 0 < self.top_P <= 1, "top_P", self.top_P, "a number in (0, 1] or None")
         if self.top_K is not None:
             top = MAX_COUNT if vocab is None else vocab
-            _check(_is_int(self.top_K) and 1 <= self.top_K <= top, "top_K", self.top_K,
+            _check(is_int(self.top_K) and 1 <= self.top_K <= top, "top_K", self.top_K,
                    f"an int in [1, {top}] or None (None keeps every id)")
         if self.repetition_penalty is not None:
-            _check(_is_num(self.repetition_penalty) and MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY,
+            _check(is_num(self.repetition_penalty) and MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY,
                    "repetition_penalty", self.repetition_penalty,
                    f"a number in [{MIN_PENALTY:g}, {MAX_PENALTY:g}] or None (1 or None: no penalty)")
-        _check(_is_int(self.max_new_token) and 1 <= self.max_new_token <= MAX_COUNT, "max_new_token",
+        _check(is_int(self.max_new_token) and 1 <= self.max_new_token <= MAX_COUNT, "max_new_token",
                self.max_new_token, f"an int in [1, {MAX_COUNT}]")
-        _check(_is_int(self.min_new_token) and 0 <= self.min_new_token <= self.max_new_token,
+        _check(is_int(self.min_new_token) and 0 <= self.min_new_token <= self.max_new_token,
                "min_new_token", self.min_new_token, f"an int in [0, max_new_token={self.max_new_token}]")
         if self.manual_seed is not None:
-            _check(_is_int(self.manual_seed) and 0 <= self.manual_seed < 2**63, "manual_seed", self.manual_seed,
+            _check(is_int(self.manual_seed) and 0 <= self.manual_seed < 2**63, "manual_seed", self.manual_seed,
                    "None or an int in [0, 2**63)")
 
     def checked(self, num_vq: int = 4, vocab: int | None = None) -> RefineTextParams:
         """``validate``, then a copy whose numbers are plain Python ones (numpy scalars converted); the
         original is not changed."""
         self.validate(num_vq, vocab)
-        changes = {name: _plain(getattr(self, name)) for name in _NUMERIC if hasattr(self, name)}
+        changes = {name: plain(getattr(self, name)) for name in _NUMERIC if hasattr(self, name)}
         return dataclasses.replace(self, **changes)
 
     def temperatures(self, n: int) -> tuple[float, ...]:
@@ -91,39 +100,12 @@ class InferCodeParams(RefineTextParams):
         super().validate(num_vq, vocab)
         for name, low in (("stream_batch", 1), ("stream_speed", 1), ("pass_first_n_batches", 0)):
             value = getattr(self, name)
-            _check(_is_int(value) and low <= value <= MAX_COUNT, name, value, f"an int in [{low}, {MAX_COUNT}]")
+            _check(is_int(value) and low <= value <= MAX_COUNT, name, value, f"an int in [{low}, {MAX_COUNT}]")
         for name in ("spk_smp", "txt_smp"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, str), name, type(value).__name__, "None or a str")
 
 
-def _is_int(x) -> bool:
-    """An integer, Python or numpy (not a bool)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    """A real number, Python or numpy (not a bool)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _plain(x):
-    """Numpy scalars (and lists of them) as Python numbers; anything else unchanged."""
-    if isinstance(x, (list, tuple)):
-        return type(x)(_plain(v) for v in x)
-    if _is_int(x):
-        return int(x)
-    if _is_num(x):
-        return float(x)
-    return x
-
-
 def _check(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{name}={_short(value)} is out of range: must be {allowed}")
-
-
-def _short(value) -> str:
-    """``repr(value)``, cut to a readable length (a 400-digit int is reported by its size)."""
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:12]}...({len(text)} characters)"
+        raise ValueError(f"{name}={short(value)} is out of range: must be {allowed}")

@@ -21,9 +21,9 @@ def make_seq(num_tokens: int, first: int = 0, speaker_key: bytes = b"", max_new:
 
 def record_windows(engine, record) -> None:
     """Call ``record(window, continuing)`` for every decode window ``engine`` launches (``continuing``: queued
-    behind the batch's previous window by ``Worker.launch_next``)."""
-    worker = engine.worker
-    launch, launch_next = worker.launch, worker.launch_next
+    behind the batch's previous window by ``ModelRunner.launch_next``)."""
+    runner = engine.runner
+    launch, launch_next = runner.launch, runner.launch_next
 
     def first(plan):
         window = launch(plan)
@@ -36,4 +36,4 @@ def record_windows(engine, record) -> None:
         record(queued, True)
         return queued
 
-    worker.launch, worker.launch_next = first, following
+    runner.launch, runner.launch_next = first, following

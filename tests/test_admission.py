@@ -123,12 +123,11 @@ def test_a_dead_fronts_counts_are_forgotten():
     asyncio.run(main())
 
 
-class _Engine:
-    def stats(self):
-        from types import SimpleNamespace
+def _stats():
+    from types import SimpleNamespace
 
-        return SimpleNamespace(engine=SimpleNamespace(num_waiting=0, num_running=2, kv_blocks_used=3,
-                                                      kv_blocks_total=10, num_preemptions=0, num_generated_tokens=5))
+    return SimpleNamespace(num_waiting=0, num_running=2, kv_blocks_used=3, kv_blocks_total=10, num_preemptions=0,
+                           num_generated_tokens=5)
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -137,15 +136,15 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def test_metrics_add_the_other_fronts_request_series():
-    mine, other = Metrics(_Engine(), Admission(4, 4)), Metrics(_Engine(), Admission(4, 4))
+    mine, other = Metrics(Admission(4, 4)), Metrics(Admission(4, 4))
     for m, codes in ((mine, (200, 200, 400)), (other, (200, 429))):
         for code in codes:
             m.count("/v1/audio/speech", code)
     mine.first_audio(0.03)
     other.first_audio(0.2)
     other.first_audio(0.02)
-    alone = _samples(mine.render()[0].decode())
-    merged = _samples(mine.render([pickle.loads(pickle.dumps(other.own()))])[0].decode())  # as it crosses the pipe
+    alone = _samples(mine.render(_stats())[0].decode())
+    merged = _samples(mine.render(_stats(), [pickle.loads(pickle.dumps(other.own()))])[0].decode())  # as it crosses the pipe
     route = 'route="/v1/audio/speech"'
     assert merged[f'chattts_requests_total{{{route},status="200"}}'] == 3
     assert merged[f'chattts_requests_total{{{route},status="400"}}'] == 1

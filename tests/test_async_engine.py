@@ -168,7 +168,7 @@ def test_cancelling_a_task_aborts_its_request_within_a_step(chat, make_async):
 @pytest.mark.parametrize("window", [1, 8])
 def test_a_step_failure_fails_only_the_request_it_concerns(chat, make_async, solo, window):
     engine = make_async(num_decode_steps=window)
-    worker = engine.engine.worker
+    runner = engine.engine.runner
     poisoned = "poison"
 
     def poison(fn):
@@ -180,8 +180,8 @@ def test_a_step_failure_fails_only_the_request_it_concerns(chat, make_async, sol
 
         return wrapped
 
-    worker.launch = poison(worker.launch)
-    worker.launch_next = poison(worker.launch_next)
+    runner.launch = poison(runner.launch)
+    runner.launch_next = poison(runner.launch_next)
     ids = [f"r{i}" for i in range(5)] + [poisoned]
     prompts = [code_prompt(chat, TEXTS[i % len(TEXTS)]) for i in range(len(ids))]
     ps = [seeded(i, 30, min_new=10) for i in range(len(ids))]

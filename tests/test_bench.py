@@ -15,7 +15,7 @@ import pytest
 
 from chattts_velocity.bench.cli import bench_config
 from chattts_velocity.cli import build_parser, main
-from chattts_velocity.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
+from chattts_velocity.constants import SAMPLE_RATE, SAMPLES_PER_TOKEN
 
 TOKENS_PER_AUDIO_S = SAMPLE_RATE / SAMPLES_PER_TOKEN  # 46.875
 ROW_KEYS = {

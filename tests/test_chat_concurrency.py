@@ -153,7 +153,7 @@ def test_server_warm_up_runs_every_level_and_leaves_the_engine_idle(fresh_chat):
     leaves nothing behind; off CUDA the window-decode graphs stay off."""
     import gc
 
-    from chattts_velocity.server.run import warm_up
+    from chattts_velocity.serving.load import warm_up
 
     before = fresh_chat.engine.stats().num_requests
     try:

@@ -9,8 +9,9 @@ import torch
 
 from chattts_velocity import kernels as K
 from chattts_velocity.kernels import decode_cpu
-from chattts_velocity.kernels.sample import row_hash, uniform_at, uniform_from_hash
-from chattts_velocity.kernels.sampling import WindowSampler, sample_rows_fused_ref
+from chattts_velocity.kernels.sampling import sample_rows_fused_ref
+from chattts_velocity.kernels.sampling_cpu import WindowSampler
+from chattts_velocity.kernels.sampling_hash import row_hash, uniform_at, uniform_from_hash
 from chattts_velocity.model.embed import Embed
 
 BLOCK = 4

@@ -164,16 +164,16 @@ def test_engine_equals_reference_under_argmax(chat, make_engine, workload, setup
 
 @pytest.mark.parametrize("setup", ["default", "chunked-prefill", "preemption"])
 def test_padded_prefill_steps_equal_the_reference(chat, make_engine, workload, setup):
-    """The CUDA engine's padded prefill (``_PaddedPrefill``: tokens and sequences padded to a bucket, padding
+    """The CUDA engine's padded prefill (``PaddedPrefill``: tokens and sequences padded to a bucket, padding
     writing no KV), run eagerly on the CPU: the reference's tokens and hidden states all the same."""
-    from chattts_velocity.engine.model_runner import _PaddedPrefill
+    from chattts_velocity.engine.prefill_graphs import PaddedPrefill
 
     engine = make_engine(**ENGINE_SETUPS[setup])
-    runner = engine.worker.runner
+    runner = engine.runner
     width = runner.decoder.state.block_tables.size(1)
     calls = []
 
-    class Counted(_PaddedPrefill):
+    class Counted(PaddedPrefill):
         def __call__(self, emb, meta):
             calls.append((emb.size(0), meta.context_lens.size(0)))
             return super().__call__(emb, meta)
@@ -299,15 +299,15 @@ def test_a_step_launched_ahead_is_aborted_or_fails_like_any_step(chat, make_engi
     assert engine.launch_ahead(), "its short first window (2 of 4 steps) leads to first audio"
     engine.step()
     assert not engine.launch_ahead(), "a full window is not launched ahead"
-    launch = engine.worker.launch
+    launch = engine.runner.launch
 
     def broken(plan):
         raise RuntimeError("launch failed")
 
     engine.add_request("c", code_prompt(chat, "fails"), params(min_new_tokens=4, max_new_tokens=4))
-    engine.worker.launch = broken
+    engine.runner.launch = broken
     assert engine.launch_ahead()
-    engine.worker.launch = launch
+    engine.runner.launch = launch
     outs = {o.request_id: o for o in engine.step()}
     assert outs["c"].finish_reason is FinishReason.ERROR and "launch failed" in str(outs["c"].error)
     reasons = {}
@@ -360,7 +360,7 @@ def test_every_decode_step_runs_as_a_decoder_window(chat, make_engine, window):
     """One forward path: prompt steps run the runner's prefill forward, every decode step (audio and text) a
     window of the decoder, a lone step being a window of one."""
     engine = make_engine(num_decode_steps=window)
-    runner = engine.worker.runner
+    runner = engine.runner
     forwarded, windows = [], []
     forward = runner.forward
     runner.forward = lambda scheduled: (forwarded.extend(item.seq.num_generated for item in scheduled),
@@ -489,22 +489,6 @@ def test_length_is_capped_by_the_model_context(chat, make_engine):
     assert out.finish_reason is FinishReason.CAPACITY and out.num_generated == room
 
 
-def test_llm_generate_returns_outputs_in_order_and_validates_first(chat, make_engine, workload):
-    from chattts_velocity.engine import LLM
-
-    prompts, ps = workload
-    engine = make_engine()
-    llm = LLM(engine)
-    outs = llm.generate(prompts, ps, use_tqdm=False)
-    assert [o.finished for o in outs] == [True] * len(prompts)
-    assert_matches_reference(chat, outs, prompts, ps)
-    with pytest.raises(ValueError, match="prompt 1: .*empty"):
-        llm.generate([prompts[0], Prompt(prompts[0].ids[:0], prompts[0].text_mask[:0])], ps[0], use_tqdm=False)
-    assert not engine.has_unfinished_requests(), "nothing is queued when one prompt is bad"
-    with pytest.raises(ValueError, match="2 prompts but 1"):
-        llm.generate(prompts[:2], [ps[0]], use_tqdm=False)
-
-
 @pytest.mark.parametrize("path", ["cpu-window", "device-step"])
 def test_text_windows_match_single_steps_and_the_reference(chat, make_engine, path):
     """Refine requests decode in windows, one row a sequence with the text head and the text EOS: the tokens of
@@ -514,7 +498,7 @@ def test_text_windows_match_single_steps_and_the_reference(chat, make_engine, pa
 
     def make(**kw):
         engine = make_engine(**kw)
-        decoder = engine.worker.runner.decoder
+        decoder = engine.runner.decoder
         if path == "device-step":
             decoder._run_cpu = lambda b, k, text=False: [decoder._step(b, text) for _ in range(k)]
         return engine
@@ -590,7 +574,7 @@ def test_one_fused_code_table_serves_the_prefill_steps_and_the_windows(chat, mak
     """The prefill steps and the decode windows of an engine embed audio codes through one table, which the
     codebooks' weights are views of (held once)."""
     engine = make_engine(num_decode_steps=4)
-    table = engine.worker.runner._code_table
-    assert engine.worker.runner.decoder._code_table is table
+    table = engine.runner._code_table
+    assert engine.runner.decoder._code_table is table
     emb = chat.model.gpt.embed.emb_code
     assert all(e.weight.data_ptr() == table[q * e.num_embeddings].data_ptr() for q, e in enumerate(emb))

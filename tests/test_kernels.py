@@ -487,8 +487,8 @@ def test_triton_interpreter_matches_reference(case: Case, interpreter_results: d
 
 def test_interpreter_ran_every_triton_module(interpreter_results: dict) -> None:
     """Guards against the cases silently comparing the reference with itself."""
-    modules = {"norm", "rotary", "activation", "kv_cache", "rotary_store_kv", "decode", "prefill", "linear",
-               "gemv", "step_io"}
+    modules = {"norm", "rotary", "activation", "kv_cache", "rotary_store_kv", "decode_attention",
+               "prefill_attention", "linear", "gemv", "step_io"}
     ran = {name.rsplit(".", 1)[1] for name in interpreter_results["triton_modules"]}
     assert modules <= ran, f"never ran on Triton: {modules - ran}"
 

@@ -192,7 +192,7 @@ def test_the_engine_and_the_reference_model_hold_the_fused_weights_once(chat):
     from chattts_velocity.engine import EngineConfig, LLMEngine
 
     with torch.inference_mode():  # as a caller may well build it
-        core = LLMEngine.from_model(chat.model, EngineConfig(num_kv_blocks=16), "cpu").worker.core
+        core = LLMEngine.from_model(chat.model, EngineConfig(num_kv_blocks=16), "cpu").runner.core
     for hf, mine in zip(chat.model.gpt.llama.layers, core.layers, strict=True):
         att, mlp = hf.self_attn, hf.mlp
         for linears, fused in (([att.q_proj, att.k_proj, att.v_proj], mine.qkv), ([mlp.gate_proj, mlp.up_proj],

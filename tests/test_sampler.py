@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from chattts_velocity.engine.sampler import RowParams
-from chattts_velocity.kernels.sample import U_MAX, counter_uniform, exponential_race_ref
-from chattts_velocity.kernels.sampling import process_rows
+from chattts_velocity.kernels.sampling import exponential_race_ref, process_rows
+from chattts_velocity.kernels.sampling_hash import U_MAX, counter_uniform
 from chattts_velocity.sampling.processors import process_logits
 
 EOS = 9
@@ -101,8 +101,8 @@ def test_counter_uniforms_stay_below_one():
 
 _INTERPRETER_CHECK = """
 import torch
-from chattts_velocity.kernels.sample import exponential_race_ref
-from chattts_velocity.kernels._triton.sample import exponential_race_triton
+from chattts_velocity.kernels.sampling import exponential_race_ref
+from chattts_velocity.kernels._triton.sampling import exponential_race_triton
 torch.manual_seed(0)
 for vocab in (626, 100, 1500):
     probs = torch.softmax(torch.randn(6, vocab) * 3, -1)
@@ -128,7 +128,7 @@ def test_triton_race_draws_the_reference_ids_in_the_interpreter():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_race_draws_the_reference_ids_on_gpu():
-    from chattts_velocity.kernels.sample import exponential_race
+    from chattts_velocity.kernels.sampling import exponential_race
 
     probs = torch.softmax(torch.randn(1024, 626) * 3, -1)
     seed, step, lane = torch.randint(0, 2**62, (1024,)), torch.randint(0, 4000, (1024,)), torch.arange(1024) % 4

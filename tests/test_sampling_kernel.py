@@ -18,8 +18,8 @@ import torch
 from interpreter import report, run_interpreter_main
 from torch import Tensor
 
-from chattts_velocity.kernels.sample import U_MAX, counter_uniform
 from chattts_velocity.kernels.sampling import process_rows, sample_rows_fused, sample_rows_fused_ref
+from chattts_velocity.kernels.sampling_hash import U_MAX, counter_uniform
 
 EOS = 5
 EDGE = (7, 28504, 0, 95)

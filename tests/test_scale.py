@@ -28,12 +28,8 @@ import soundfile as sf  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from server_helpers import API_KEY, ServerProcess  # noqa: E402
 
-from chattts_velocity.server.scale import (  # noqa: E402
-    APP_NAME,
-    REPLICA_HEADER,
-    ScaleConfig,
-    application,
-)
+from chattts_velocity.server.scale import APP_NAME, REPLICA_HEADER, application  # noqa: E402
+from chattts_velocity.server.settings import ScaleConfig  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TEXT = "Hello there. This is a test of the speech server."
@@ -137,46 +133,56 @@ def test_scale_config_is_validated():
 
 
 def test_serve_options_and_app_builder_arguments_build_one_application(upstream_ckpt):
-    from chattts_velocity.cli import serve_settings
+    from chattts_velocity.cli import build_parser, serve_settings
     from chattts_velocity.server import ServerConfig
     from chattts_velocity.server.scale import app_builder
+    from chattts_velocity.server.settings import ServeSettings, parse_options
 
-    scale, server, load = serve_settings(["--model", upstream_ckpt, "--device", "cpu", "--min-replicas", "1",
-                                          "--max-replicas", "3", "--max-concurrent", "8"])
+    settings = serve_settings(build_parser().parse_args([
+        "serve", "--model", upstream_ckpt, "--device", "cpu", "--min-replicas", "1", "--max-replicas", "3",
+        "--max-concurrent", "8"]))
+    scale, server, load = settings.scale, settings.server, settings.load
     assert scale.autoscaling and (scale.min_replicas, scale.max_replicas) == (1, 3)
     assert scale.gpus_per_replica == 0  # CPU replicas unless asked for GPUs
     assert load == dict(source="custom", custom_path=upstream_ckpt, device="cpu", max_num_seqs=32, kv_cache_gib=None,
                         engine_dtype=None, max_window_tokens=2048)
     assert server.max_concurrent == 8
+    # the same options as serve run's key=value arguments: the same settings
+    options = {"model": upstream_ckpt, "device": "cpu", "min_replicas": "1", "max_replicas": "3", "max_concurrent": "8"}
+    assert ServeSettings.from_options(parse_options(options)) == settings
     application(scale, server, load)  # Serve accepts every option
     assert application(ScaleConfig(), ServerConfig(), load) is not None
     assert app_builder({"model": upstream_ckpt, "replicas": "2", "dummy": "false"}) is not None
-    with pytest.raises(SystemExit):  # an unknown option is refused as on the command line
+    with pytest.raises(ValueError, match="unknown option 'no_such_option'"):  # named, as on the command line
         app_builder({"no_such_option": "1"})
+    with pytest.raises(ValueError, match="dummy is a flag"):
+        app_builder({"dummy": "yes"})
 
 
 def test_the_board_forgets_replicas_that_stop_reporting_and_renders_each_labelled():
     from types import SimpleNamespace
 
     from chattts_velocity.server.cluster import MetricsBoard
-    from chattts_velocity.server.metrics import Metrics, render_replicas
+    from chattts_velocity.server.metrics import Metrics, labelled
 
-    def metrics(kv_used: int) -> Metrics:
-        stats = SimpleNamespace(num_waiting=0, num_running=1, kv_blocks_used=kv_used, kv_blocks_total=64,
-                                num_preemptions=0, num_generated_tokens=10)
-        engine = SimpleNamespace(stats=lambda: SimpleNamespace(engine=stats))
-        return Metrics(engine, SimpleNamespace(waiting=0, running=1))
+    def stats(kv_used: int) -> SimpleNamespace:
+        return SimpleNamespace(num_waiting=0, num_running=1, kv_blocks_used=kv_used, kv_blocks_total=64,
+                               num_preemptions=0, num_generated_tokens=10)
+
+    def metrics(replica: str) -> Metrics:
+        return Metrics(SimpleNamespace(waiting=0, running=1), labels={"replica": replica})
 
     board = MetricsBoard(stale_s=0.2)
-    board.report("a", metrics(3).collect())
+    board.report("a", metrics("a").collect(stats(3)))
     time.sleep(0.3)
-    board.report("b", metrics(5).collect())
-    board.report("c", metrics(7).collect())
+    board.report("b", metrics("b").collect(stats(5)))
+    board.report("c", metrics("c").collect(stats(7)))
     board.forget("c")
     snapshot = board.snapshot()
     assert set(snapshot) == {"b"}  # a went quiet, c left
-    snapshot["a"] = metrics(3).collect()
-    text = render_replicas(snapshot)[0].decode()
+    # replica a's /metrics: its own series and the others' (``ReplicaLink.peers``), each labelled
+    peers = [labelled(families, {"replica": r}) for r, families in snapshot.items()]
+    text = metrics("a").render(stats(3), peers)[0].decode()
     families = [f.name for f in text_string_to_metric_families(text)]
     assert len(families) == len(set(families))
     assert 'chattts_kv_blocks_used{replica="a"} 3.0' in text and 'chattts_kv_blocks_used{replica="b"} 5.0' in text
@@ -189,8 +195,9 @@ def test_openai_sdk_streams_the_single_process_servers_audio(client, chat):
     from fastapi.testclient import TestClient
 
     from chattts_velocity.server import ServerConfig, build_app
+    from chattts_velocity.serving.local import LocalClient
 
-    with TestClient(build_app(chat, ServerConfig(max_new_token=48))) as single:
+    with TestClient(build_app(LocalClient(chat), ServerConfig(max_new_token=48))) as single:
         alone = single.post(SPEECH, json=body(STREAMED))
     assert alone.status_code == 200 and len(alone.content) > 2 * 24000 * 0.2
     chunks = []

@@ -339,3 +339,30 @@ def test_keep_alive_and_audio_round_are_checked():
     for bad in (-1, 1001, float("nan")):
         with pytest.raises(ValueError, match="audio_round_ms must be within 0-1000"):
             ServerConfig(audio_round_ms=bad)
+
+
+def test_serve_options_map_onto_one_settings_object():
+    """The command line and Ray's key=value options build the same ``ServeSettings``; every option of ``serve``
+    is one ``OPTIONS`` knows, and its defaults are the settings' own."""
+    from chattts_velocity.cli import build_parser, serve_settings
+    from chattts_velocity.server.settings import OPTIONS, ServeSettings, parse_options
+
+    def cli(*argv: str) -> ServeSettings:
+        return serve_settings(build_parser().parse_args(["serve", *argv]))
+
+    assert set(vars(build_parser().parse_args(["serve"]))) - {"command", "func"} == set(OPTIONS)
+    assert cli() == ServeSettings.from_options({})
+    assert cli().load == dict(source="huggingface", device=None, max_num_seqs=256, kv_cache_gib=None, engine_dtype=None,
+                              max_window_tokens=2048)  # device and dtype: chosen where the model loads
+    assert not cli().engine_process and cli().scale is None
+    assert cli("--fronts", "3").engine_process  # more than one front: an engine process
+    assert cli("--engine-process") == cli("--engine-process", "--fronts", "1")
+    assert cli("--max-window-tokens", "0").load["max_window_tokens"] is None  # 0: no cap
+    assert cli("--dummy", "--max-concurrent", "2") == ServeSettings.from_options(
+        parse_options({"dummy": "true", "max_concurrent": 2}))
+    with pytest.raises(ValueError, match="drop one of the two"):
+        cli("--engine-process", "--replicas", "2")
+    with pytest.raises(ValueError, match="max_concurrent must be an int"):
+        parse_options({"max_concurrent": "many"})
+    with pytest.raises(ValueError, match="--model or --dummy"):
+        ServeSettings.from_options({"model": "x", "dummy": True})

@@ -16,6 +16,7 @@ from chattts_velocity import pipeline
 from chattts_velocity.audio.pump import PENDING
 from chattts_velocity.server import ServerConfig
 from chattts_velocity.server.app import build_app
+from chattts_velocity.serving.local import LocalClient
 
 BODY = {"model": "tts-1", "voice": "alloy", "input": "Hello there, this fails half way.", "seed": 3}
 
@@ -24,7 +25,7 @@ BODY = {"model": "tts-1", "voice": "alloy", "input": "Hello there, this fails ha
 def url(chat):
     import uvicorn
 
-    app = build_app(chat, ServerConfig(max_new_token=64, api_key="k"))  # with the auth middleware
+    app = build_app(LocalClient(chat), ServerConfig(max_new_token=64, api_key="k"))  # with the auth middleware
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

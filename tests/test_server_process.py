@@ -1,7 +1,8 @@
 """``serve --engine-process``: what the process split adds to the server tests run in both modes
 (`test_server.py`, `test_server_shutdown.py`): a client that leaves has its engine requests aborted across the
 pipe, ``--min-new-token`` holds every request to one length, and a dead engine process fails the requests in
-flight, turns ``/health`` and new requests into 503s, and the front still exits cleanly."""
+flight, turns ``/health`` and new requests into 503s, and the front still exits cleanly. The engine process's
+seam itself (messages, pipes, ``RemoteClient``) is tested in `test_engine_process.py`."""
 
 from __future__ import annotations
 
@@ -79,55 +80,6 @@ def test_a_dead_engine_process_fails_requests_with_503_and_the_front_exits_clean
     assert server.proc.wait(30) == 0
 
 
-class _Owner:
-    """Stands in for ``EngineProcess`` under a ``RemoteAudio``: records the cancels it would send."""
-
-    def __init__(self):
-        self.cancelled = []
-
-    def _cancel(self, rid):
-        self.cancelled.append(rid)
-
-
-def test_remote_audio_reads_like_joined_audio():
-    import threading
-
-    import numpy as np
-
-    from chattts_velocity.audio.pump import PENDING, take_ready
-    from chattts_velocity.server.split import RemoteAudio
-
-    owner = _Owner()
-    blocking = RemoteAudio(owner, "a")  # no on_ready: next waits for the reader thread's chunk
-    threading.Timer(0.05, blocking._put, (np.ones(3, np.float32), None)).start()
-    assert next(blocking).tolist() == [1, 1, 1]
-    blocking._put(None, "")
-    with pytest.raises(StopIteration):
-        next(blocking)
-    blocking.cancel()  # over: nothing to cancel
-    assert owner.cancelled == []
-
-    woken = []
-    audio = RemoteAudio(owner, "b")
-    audio.on_ready(lambda: woken.append(1))
-    assert next(audio) is PENDING
-    audio._put(np.zeros(2, np.float32), None)
-    audio._put(np.ones(2, np.float32), None)
-    audio._put(None, "the engine process exited")
-    assert len(woken) == 3
-    chunk, end, failure = take_ready(audio)  # the chunks first, then the failure
-    assert chunk.tolist() == [0, 0, 1, 1] and end and isinstance(failure, RuntimeError)
-    assert str(failure) == "the engine process exited"
-
-    left = RemoteAudio(owner, "c")
-    left.cancel()
-    left.cancel()
-    assert owner.cancelled == ["c"]  # once, and nothing arrives after it
-    left._put(np.ones(1, np.float32), None)
-    with pytest.raises(StopIteration):
-        next(left)
-
-
 def test_engine_process_and_replicas_do_not_combine(tmp_path):
     import subprocess
     import sys
@@ -154,100 +106,3 @@ def test_fronts_refuse_a_port_another_server_shares_out(tmp_path):
                               "--fronts", "2", "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in run.stderr
     assert "Traceback" not in run.stderr
-
-
-def test_prompts_cross_the_pipe_as_plain_arrays(upstream_ckpt):
-    """What the front sends to run: the prompts ``prepare_prompts`` made, as numpy arrays (a torch tensor would be
-    pickled as shared memory whose descriptor the engine process fetches back from the front), and they come
-    out equal to what the one-process server builds from the same request."""
-    import io
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch
-
-    from chattts_velocity import Chat
-    from chattts_velocity.server.config import ServerConfig
-    from chattts_velocity.server.prepare import SpeechKit, prepare_prompts, speech_plan
-    from chattts_velocity.server.schema import SpeechRequest
-    from chattts_velocity.server.split import _arrays, _prompts
-    from chattts_velocity.server.voices import VoiceRegistry
-
-    chat = Chat()
-    chat.load(source="custom", custom_path=upstream_ckpt, device="cpu")
-    try:
-        import pickle
-
-        kit = pickle.loads(pickle.dumps(SpeechKit.of(chat)))  # as the front gets it
-        config = ServerConfig(max_new_token=TOKENS)
-        request = SpeechRequest(model="tts-1", voice="alloy", input="One sentence here. And a second one!", seed=3)
-        prompts, params = prepare_prompts(kit, VoiceRegistry(kit), config, request)
-        texts, code = speech_plan(chat, VoiceRegistry(chat), config, request)
-        expected = chat.pipeline.code_prompts(texts, code)
-        assert len(prompts) == len(expected) == 2
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump(("run", "r0", _arrays(prompts), params))
-        assert b"torch" not in buf.getvalue()
-        for got, want in zip(_prompts(pickle.loads(buf.getvalue())[2]), expected, strict=True):
-            assert torch.equal(got.ids, want.ids) and torch.equal(got.text_mask, want.text_mask)
-            assert torch.equal(got.speaker, want.speaker)
-        with pytest.raises(ValueError, match="refine"):
-            prepare_prompts(kit, VoiceRegistry(kit), config, request.model_copy(update={"refine_text": True}))
-    finally:
-        chat.unload()
-
-
-def test_a_request_the_engine_process_refuses_ends_its_audio_with_the_error(upstream_ckpt):
-    """The front prepared and validated a request, but the engine process refuses it all the same: its audio
-    (whose headers are out) ends with the engine's error instead of hanging, and the engine process goes on
-    serving. Both sides in this process, over real pipes, as ``benchmarks/serve_timeline.py --split`` hosts
-    them."""
-    import multiprocessing as mp
-    import threading
-
-    from chattts_velocity import Chat
-    from chattts_velocity.audio.pump import PENDING, take_ready
-    from chattts_velocity.server.config import ServerConfig
-    from chattts_velocity.server.prepare import prepare_prompts
-    from chattts_velocity.server.schema import SpeechRequest
-    from chattts_velocity.server.split import EngineProcess, _Host
-    from chattts_velocity.server.voices import VoiceRegistry
-
-    chat = Chat()
-    chat.load(source="custom", custom_path=upstream_ckpt, device="cpu")
-    cmd_in, cmd = mp.Pipe(duplex=False)
-    events, events_out = mp.Pipe(duplex=False)
-    audio_in, audio_out = mp.Pipe(duplex=False)
-    config = ServerConfig(max_new_token=40)
-    host = _Host(chat, config, [(cmd_in, events_out, audio_out)])
-    host.announce()
-    threading.Thread(target=host.serve, daemon=True).start()
-    front = EngineProcess(cmd, events, audio_in)
-    try:
-        front.wait_ready(60)
-        request = SpeechRequest(model="tts-1", voice="alloy", input="Refused by the engine.", seed=1)
-
-        def read(audio) -> tuple[int, Exception | None]:
-            woken = threading.Event()
-            audio.on_ready(woken.set)
-            samples, deadline = 0, time.monotonic() + 60
-            while time.monotonic() < deadline:
-                woken.clear()
-                chunk, end, failure = take_ready(audio)
-                samples += 0 if chunk is None or chunk is PENDING else chunk.size
-                if end:
-                    return samples, failure
-                woken.wait(5)
-            pytest.fail("the audio did not end")
-
-        def refuse(*args, **kwargs):
-            raise ValueError("the engine says no")
-
-        chat.pipeline.joined = refuse
-        samples, failure = read(front.run(*prepare_prompts(front.kit, VoiceRegistry(front.kit), config, request)))
-        assert samples == 0 and isinstance(failure, RuntimeError) and "the engine says no" in str(failure)
-        del chat.pipeline.joined  # the engine process serves the next request
-        samples, failure = read(front.run(*prepare_prompts(front.kit, VoiceRegistry(front.kit), config, request)))
-        assert failure is None and samples > 0
-    finally:
-        front.close()
-        chat.unload()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from chattts_velocity.audio import AudioStream, StreamConfig, Window, decode_windows
-from chattts_velocity.config import SAMPLES_PER_TOKEN
+from chattts_velocity.constants import SAMPLES_PER_TOKEN
 
 DEFAULT = StreamConfig()
 EXACT = StreamConfig(left_context=52, lookahead=52)
@@ -271,7 +271,7 @@ def test_audio_pump_decodes_every_stream_of_an_engine_step_in_one_round(chat):
     streams = [RequestStream(engine, [f"r{i}"]) for i in range(6)]
     feeds = [pump.open(s, config, use_decoder=True) for s in streams]  # nothing to decode yet
     for i in (3, 0, 5, 1, 4, 2):  # one engine step, as the pump sees it: outputs, then one wake
-        streams[i]._put(_out(f"r{i}", tokens[i], True, 40), 0.0)
+        streams[i].deliver(_out(f"r{i}", tokens[i], True, 40), 0.0)
     pump.wake()
     got = []
     for feed in feeds:
@@ -294,15 +294,15 @@ def test_audio_pump_ends_a_closed_stream_and_reports_a_failed_request(chat):
     pump, engine = AudioPump(chat.audio), _Engine()
     closed = RequestStream(engine, ["a"])
     feed = pump.open(closed, DEFAULT, use_decoder=True)
-    closed._put(_out("a", _tokens(chat, 4, True), False, 4), 0.0)
+    closed.deliver(_out("a", _tokens(chat, 4, True), False, 4), 0.0)
     closed.close()  # from another thread, say: the reader's feed ends instead of waiting forever
     assert sum(x.size for d in feed for x in d.samples.get("a", [])) == 0  # 4 tokens: not a window yet
     assert engine.aborted == ["a"]
 
     failing = RequestStream(engine, ["b"])
     feed = pump.open(failing, DEFAULT, use_decoder=True)
-    failing._put(_out("b", _tokens(chat, 30, True), False, 30), 0.0)
-    failing._put(_out("b", _tokens(chat, 0, True), True, 30, error=RuntimeError("device lost")), 0.0)
+    failing.deliver(_out("b", _tokens(chat, 30, True), False, 30), 0.0)
+    failing.deliver(_out("b", _tokens(chat, 0, True), True, 30, error=RuntimeError("device lost")), 0.0)
     pump.wake()
     seen = []
     with pytest.raises(RequestError, match="device lost"):
@@ -321,7 +321,7 @@ def test_audio_pump_ends_a_closed_stream_and_reports_a_failed_request(chat):
     assert read == [[]], "the feed of a stream closed before it was opened must end, not wait forever"
 
     early = RequestStream(engine, ["c"])  # a short request that finished before its reader opened a feed
-    early._put(_out("c", _tokens(chat, 20, True), True, 20), 0.0)
+    early.deliver(_out("c", _tokens(chat, 20, True), True, 20), 0.0)
     assert sum(x.size for d in pump.open(early, DEFAULT, use_decoder=True) for x in d.samples.get("c", [])) > 0
 
 
@@ -346,7 +346,7 @@ def test_closing_a_stream_never_waits_for_a_round(chat):
         return decode(windows, use_decoder)
 
     pump.decode = held
-    busy._put(_out("busy", _tokens(chat, 30, True), True, 30), 0.0)
+    busy.deliver(_out("busy", _tokens(chat, 30, True), True, 30), 0.0)
     engine_thread = threading.Thread(target=pump.wake)  # the engine thread's round, held inside its decode
     engine_thread.start()
     assert entered.wait(10)
@@ -385,14 +385,14 @@ def test_paced_rounds_hold_later_chunks_but_never_a_first_or_last_one(chat):
             out += item.samples.get("r", [])
         return out
 
-    stream._put(_out("r", tokens[:20], False, 20), 0.0)  # the first chunk (8 + 8 look-ahead) is ready
+    stream.deliver(_out("r", tokens[:20], False, 20), 0.0)  # the first chunk (8 + 8 look-ahead) is ready
     pump.wake()
     first = delivered()
     assert pump.num_calls == 1 and len(first) == 1
-    stream._put(_out("r", tokens[20:50], False, 50), 0.0)  # later chunks only: held
+    stream.deliver(_out("r", tokens[20:50], False, 50), 0.0)  # later chunks only: held
     pump.wake()
     assert pump.num_calls == 1 and delivered() == [] and pump._marked
-    stream._put(_out("r", tokens[50:], True, 60), 0.0)  # the last chunk: decoded at once, with those held
+    stream.deliver(_out("r", tokens[50:], True, 60), 0.0)  # the last chunk: decoded at once, with those held
     pump.wake()
     rest = delivered()
     assert pump.num_calls == 2 and rest
@@ -462,21 +462,21 @@ def test_a_paced_round_decodes_only_the_feeds_with_a_first_or_last_chunk(chat):
             out += item.samples.get(rid, [])
         return out
 
-    streams["old"]._put(_out("old", tokens["old"][:20], False, 20), 0.0)
+    streams["old"].deliver(_out("old", tokens["old"][:20], False, 20), 0.0)
     pump.wake()  # the old request's first chunk: a full round
     old = delivered("old")
-    streams["old"]._put(_out("old", tokens["old"][20:50], False, 50), 0.0)  # later chunks: held
-    streams["new"]._put(_out("new", tokens["new"][:20], False, 20), 0.0)  # a first chunk: urgent
+    streams["old"].deliver(_out("old", tokens["old"][20:50], False, 50), 0.0)  # later chunks: held
+    streams["new"].deliver(_out("new", tokens["new"][:20], False, 20), 0.0)  # a first chunk: urgent
     pump.wake()
     new = delivered("new")
     assert len(calls) == 2 and len(calls[1]) == 1 and len(new) == 1, "the urgent round decoded the new feed alone"
     assert delivered("old") == [] and id(streams["old"]) in pump._marked
     pump._last_decode = float("-inf")  # the interval passed: the next round is a full one
-    streams["new"]._put(_out("new", tokens["new"][20:], True, 60), 0.0)
+    streams["new"].deliver(_out("new", tokens["new"][20:], True, 60), 0.0)
     pump.wake()
     old += delivered("old")
     new += delivered("new")
-    streams["old"]._put(_out("old", tokens["old"][50:], True, 60), 0.0)
+    streams["old"].deliver(_out("old", tokens["old"][50:], True, 60), 0.0)
     pump.wake()
     old += delivered("old")
     for rid, got in (("old", old), ("new", new)):

@@ -16,7 +16,9 @@ from collections.abc import Iterator
 import gradio as gr
 import numpy as np
 
-from ..config import SAMPLE_RATE
+from chattts_velocity.chat import Chat
+from chattts_velocity.constants import SAMPLE_RATE
+
 from .config import DemoConfig
 from .examples import EXAMPLES
 from .generate import Settings, prepare, refine, speak
@@ -26,10 +28,10 @@ from .timbre import SEED_RANGE, TIMBRES, sample_code, speaker_for_seed
 DICE = "\U0001f3b2"
 
 
-def build_demo(chat, config: DemoConfig | None = None) -> gr.Blocks:
+def build_demo(chat: Chat, config: DemoConfig | None = None) -> gr.Blocks:
     """The page over a loaded ``Chat`` (its queue already configured; ``launch`` it)."""
     config = config or DemoConfig()
-    concurrency, max_queue = config.limits(chat.engine.engine.config.max_num_seqs)
+    concurrency, max_queue = config.limits(chat.engine.config.max_num_seqs)
     with gr.Blocks(title="ChatTTS Velocity", analytics_enabled=False) as demo:
         session = gr.State(Session())
         gr.Markdown("# ChatTTS Velocity\nChatTTS text to speech on a continuous-batching engine: every visitor's "
@@ -52,11 +54,11 @@ def build_demo(chat, config: DemoConfig | None = None) -> gr.Blocks:
     return demo
 
 
-def launch(chat, config: DemoConfig | None = None, host: str = "127.0.0.1", port: int = 7860,
+def launch(chat: Chat, config: DemoConfig | None = None, host: str = "127.0.0.1", port: int = 7860,
            share: bool = False) -> int:
     """Build the page and serve it until interrupted."""
     config = config or DemoConfig()
-    concurrency, _ = config.limits(chat.engine.engine.config.max_num_seqs)
+    concurrency, _ = config.limits(chat.engine.config.max_num_seqs)
     demo = build_demo(chat, config)
     # every running generation holds a worker thread while it waits for audio
     demo.launch(server_name=host, server_port=port, share=share, max_threads=max(40, concurrency + 8),
@@ -68,7 +70,7 @@ class _Controls:
     """The page's components, by name."""
 
 
-def _layout(chat) -> _Controls:
+def _layout(chat: Chat) -> _Controls:
     c = _Controls()
     first = EXAMPLES[0]
     with gr.Row():
@@ -115,7 +117,7 @@ def _seed(label: str, value: int) -> gr.Number:
     return gr.Number(value, label=label, precision=0, minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
 
 
-def _wire_voices(chat, config: DemoConfig, c: _Controls) -> None:
+def _wire_voices(chat: Chat, config: DemoConfig, c: _Controls) -> None:
     def dice() -> int:
         return random.randint(*SEED_RANGE)
 
@@ -141,7 +143,7 @@ def _wire_voices(chat, config: DemoConfig, c: _Controls) -> None:
     c.sample_audio.change(sample, c.sample_audio, c.sample_code, api_name="sample_audio")
 
 
-def _generator(chat, config: DemoConfig):
+def _generator(chat: Chat, config: DemoConfig):
     def generate(session: Session, text: str, refine_text: bool, temperature: float, top_p: float, top_k: float,
                  speaker: str, audio_seed: float, text_seed: float, sample_text: str, sample_code_: str,
                  stream: bool) -> Iterator[tuple]:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine import Mode
-from ..params import InferCodeParams, RefineTextParams
-from ..text import decorate_text_prompts
-from ..velocity import JoinedAudio, sampling_params
+from chattts_velocity.chat import Chat
+from chattts_velocity.params import InferCodeParams, RefineTextParams
+from chattts_velocity.pipeline import JoinedAudio, refined_texts
+
 from .session import Run
 
 
@@ -53,30 +53,29 @@ class Settings:
         )
 
 
-def prepare(chat, text: str) -> list[str]:
+def prepare(chat: Chat, text: str) -> list[str]:
     """Normalised sentences of a visitor's text (``ValueError`` if it is blank)."""
-    return chat._prepare_texts(text, True, None, True, True)
+    return chat.prepare_texts(text)
 
 
-def refine(chat, texts: list[str], params: RefineTextParams, run: Run) -> list[str] | None:
+def refine(chat: Chat, texts: list[str], params: RefineTextParams, run: Run) -> list[str] | None:
     """Refined sentences (ids from ``[break_0]`` on dropped, as upstream), or None if the run was stopped."""
     params.validate(1)
-    path, tok = chat._velocity, chat.model.tokenizer
-    prompts = path._prompts(decorate_text_prompts(texts, params.prompt), None, None)
-    stream = path._submit(prompts, sampling_params(params, Mode.TEXT, chat.model.config.num_vq))
+    pipeline = chat.pipeline
+    stream = pipeline.submit(pipeline.text_prompts(texts, params), pipeline.text_params(params))
     if not run.hold(stream.close):
         return None
     final = {out.request_id: out.token_ids for out in stream if out.finished}
     if run.cancelled or len(final) < len(texts):
         return None
-    return tok.decode([ids[ids < tok.break_0_ids] for ids in (final[rid] for rid in stream.request_ids)])
+    return refined_texts(chat.model.tokenizer, [final[rid] for rid in stream.request_ids])
 
 
-def speak(chat, texts: list[str], params: InferCodeParams, run: Run, in_flight: int) -> Iterator[np.ndarray]:
+def speak(chat: Chat, texts: list[str], params: InferCodeParams, run: Run, in_flight: int) -> Iterator[np.ndarray]:
     """The sentences' audio as one stream of int16 chunks (joins faded, no gaps), until it ends or the run is
     stopped. Every sentence is validated before the first chunk (``ValueError``)."""
     params.validate(chat.model.config.num_vq)
-    return _int16(chat._velocity.stream_joined(texts, params, use_decoder=True, in_flight=in_flight), run)
+    return _int16(chat.pipeline.stream_joined(texts, params, use_decoder=True, in_flight=in_flight), run)
 
 
 def _int16(audio: JoinedAudio, run: Run) -> Iterator[np.ndarray]:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import SAMPLE_RATE
-from ..text import encode_speaker
+from chattts_velocity.chat import Chat
+from chattts_velocity.constants import SAMPLE_RATE
+from chattts_velocity.text import encode_speaker
 
 TIMBRES = {"Default": 2, **{f"Timbre{i}": 1111 * i for i in range(1, 10)}}
 """Preset timbre seeds: the same names and seeds as upstream's web UI, so a preset gives its voice."""
@@ -16,7 +17,7 @@ SEED_RANGE = (1, 4294967295)
 """Seeds the dice draw from (upstream's range)."""
 
 
-def speaker_for_seed(chat, seed: int) -> str:
+def speaker_for_seed(chat: Chat, seed: int) -> str:
     """The speaker string drawn from the checkpoint's speaker statistics with ``seed``: the voice upstream
     gives for ``torch.manual_seed(seed); sample_random_speaker()``, drawn without touching the global RNG
     (other visitors' threads use it). Blank if the checkpoint has no speaker statistics (its default voice)."""
@@ -26,7 +27,7 @@ def speaker_for_seed(chat, seed: int) -> str:
     return encode_speaker(stats.sample(torch.Generator().manual_seed(int(seed))))
 
 
-def sample_code(chat, audio: tuple[int, np.ndarray], max_seconds: float) -> str:
+def sample_code(chat: Chat, audio: tuple[int, np.ndarray], max_seconds: float) -> str:
     """The voice-sample string (``spk_smp``) of an uploaded recording: Gradio's (rate, samples) with int or
     float samples, mono or [n, channels], resampled to 24 kHz mono. ``ValueError`` if it is not 0.5 s to
     ``max_seconds`` long."""

@@ -17,9 +17,9 @@ from .graphs import DecodeGraphs
 
 def _to_host(x: Tensor) -> np.ndarray:
     """A device tensor's values as a numpy array. From CUDA through page-locked memory of torch's caching host
-    allocator: a copy into pageable memory ran at 1-2 GB/s and varied 2x between runs (H100, 256 wavs of 500
-    tokens, `benchmarks/wav_decode.py`); the array is a view of the pinned block, which returns to torch's
-    cache when the array is freed."""
+    allocator: a copy into pageable memory was slow and varied widely between runs (`benchmarks/wav_decode.py`;
+    docs/perf/); the array is a view of the pinned block, which returns to torch's cache when the array is
+    freed."""
     if x.device.type != "cuda":
         return x.cpu().numpy()
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
@@ -31,11 +31,10 @@ def _to_host(x: Tensor) -> np.ndarray:
 class AudioDecoder:
     """Codes or hidden states -> mel (DVAE or Decoder) -> wav (Vocos).
 
-    ``tf32``: on CUDA, run the float32 matmuls and convolutions of the wav decode on TF32 tensor cores. On an
-    H100 the decode of 32 x 500 steps took 28 ms in TF32 against 71 ms in strict float32; measured from torch's
-    default settings (TF32 convolutions only), the wavs moved by 4.6e-4 of their standard deviation in TF32 and
-    by 5.4e-4 in strict float32 (`benchmarks/kernel_probe.py --parts audio`). The setting is restored after
-    every decode.
+    ``tf32``: on CUDA, run the float32 matmuls and convolutions of the wav decode on TF32 tensor cores: more
+    than twice as fast as strict float32, and measured from torch's default settings (TF32 convolutions only)
+    the wavs move about as little in TF32 as in strict float32 (`benchmarks/kernel_probe.py --parts audio`;
+    docs/perf/). The setting is restored after every decode.
     """
 
     def __init__(self, dvae: DVAE, decoder: DVAE, vocos: Vocos, device: torch.device | str, tf32: bool = True):

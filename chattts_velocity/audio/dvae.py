@@ -17,11 +17,10 @@ import torch.nn.functional as F
 import torchaudio
 from torch import Tensor, nn
 
+from ..constants import HOP_LENGTH, SAMPLE_RATE
 from ..weights import check_state_dict, count_layers, read_safetensors, require
 from .fsq import GFSQ
 
-SAMPLE_RATE = 24000
-HOP_LENGTH = 256
 CODE_LEVEL = 5
 """Levels per FSQ dimension: not stored (upstream keeps them in non-persistent buffers); ChatTTS's 626 audio
 tokens are 5**4 codes + 1, i.e. 4 dimensions of 5 levels."""

@@ -2,9 +2,8 @@
 batch of equal-length windows, one graph per (window length, batch bucket, TF32 setting).
 
 Why: eagerly, one decode call is a few hundred kernel launches from Python, and a stream window's batch is
-small, so the call is bound by them: 4-7 ms for 1 to 64 windows on an H100, whatever the batch. A replay is
-one launch: 1.0 ms for 1 window of 48 tokens against 4.2 eagerly, 1.4 against 3.8 for 8, 5.8 against 6.3
-for 64, bit-identical (`python benchmarks/wav_decode.py --batch 8 --chunk 8 --tokens 64 --windows 16 48`).
+small, so the call is bound by them, whatever the batch. A replay is one launch, several times faster for a
+few windows and bit-identical (`python benchmarks/wav_decode.py`; docs/perf/).
 
 The graph computes exactly the eager ops, with one change: Vocos's "center" iSTFT (``torch.istft``, which checks
 the window envelope on the host and so cannot be captured) is written out as inverse FFT, overlap-add and the
@@ -32,9 +31,8 @@ slices of the largest)."""
 SHORT_BUCKETS = (1, 2, 4, 8)
 """Batch sizes captured for the other lengths up to the longest window: only a stream shorter than a window
 length ends in one of them (its last windows cannot take more left context), a few streams a round. Eagerly,
-such a call cost 25-113 ms in a round under a server's load (H100, 64 streams of random lengths, new shapes:
-`python benchmarks/serve_timeline.py --http --split --streams 64 --requests 4 --clients 16 --events`), and the
-round, which every request's first audio in it waits for, with it."""
+such a call was one of a loaded server's slowest in a round (new shapes: `chattts-velocity bench serve`;
+docs/perf/), and the round, which every request's first audio in it waits for, with it."""
 
 
 def istft_center(spec: Tensor, n_fft: int, hop: int, window: Tensor, envelope: Tensor | None = None) -> Tensor:

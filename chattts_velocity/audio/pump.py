@@ -4,14 +4,14 @@ A consumer (a thread streaming one ``infer`` call, a server request) opens a ``F
 and reads ``Delivery`` objects from it. The engine thread marks a stream when it hands it outputs, and after
 each step it runs one round (``wake``; paced, see ``AudioPump``): the new tokens of every marked stream are pushed into their decoders,
 every window they complete is decoded in one batched Decoder + Vocos call per window length, and each feed gets
-its samples. Under load the windows of hundreds of streams share one call (on a GPU a batch of 32 windows costs
-about what one does); the consumers only wait on their own queue.
+its samples. Under load the windows of hundreds of streams share one call (on a GPU a batch of windows costs
+little more than one window); the consumers only wait on their own queue.
 
-Why on the engine's thread: on an H100 a window decode launches a few hundred kernels from Python (7 ms alone).
-Run beside the engine, on a decoder thread fed by the consumers, the two threads traded the GIL: the decode took
-25 ms instead of 7, the engine's steps 1.5 ms instead of 0.75 (``benchmarks/stream_latency.py``), and the server
-topped out at about 170x real time at 64 and at 256 streams while the engine alone ran past 1,200x. Between the
-steps, each round costs its own time and nothing else."""
+Why on the engine's thread: a window decode launches a few hundred kernels from Python. Run beside the engine,
+on a decoder thread fed by the consumers, the two threads traded the GIL: the decode and the engine's steps both
+took several times longer, and the server topped out far below what the engine alone delivered
+(`chattts-velocity bench stream`; docs/perf/). Between the steps, each round costs its own time and nothing
+else."""
 
 from __future__ import annotations
 
@@ -147,9 +147,9 @@ class AudioPump:
         self.audio = audio
         self.round_interval_s = round_interval_s
         """Least time between two decoding rounds for windows that can wait (0: every engine step). Most of a
-        decode call's cost is per call (on an H100 under the server, 26-61 ms a call of 43-62 windows; in-process
-        47 ms for 346), so under load fewer, larger rounds leave the engine more of its time; a later chunk
-        arrives up to this much later."""
+        decode call's cost is per call, whatever its number of windows (`chattts-velocity bench serve`;
+        docs/perf/), so under load fewer, larger rounds leave the engine more of its time; a later chunk arrives
+        up to this much later."""
         self._lock = threading.Lock()  # guards the two dicts below
         self._rounds = threading.Lock()  # one round at a time, on whichever thread runs it
         self._feeds: dict[int, Feed] = {}  # id(stream) -> its feed

@@ -21,9 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import SAMPLES_PER_TOKEN
+from ..constants import HOP_LENGTH, SAMPLES_PER_TOKEN
 from .decode import AudioDecoder
-from .dvae import HOP_LENGTH
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from vocos.feature_extractors import MelSpectrogramFeatures
 from vocos.heads import ISTFTHead
 from vocos.models import VocosBackbone
 
+from ..constants import HOP_LENGTH, SAMPLE_RATE
 from ..weights import check_state_dict, count_layers, read_safetensors, require
-from .dvae import HOP_LENGTH, SAMPLE_RATE
 
 
 def vocos_state_dict_config(sd: dict[str, Tensor], name: str = "Vocos.safetensors") -> dict[str, int]:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from .config import BenchConfig
+from .config import DEFAULT_BATCHES, DTYPES, SIZES, BenchConfig
+from .runner import run_and_report
+from .serve import ServeBenchConfig
+from .serve import run_and_report as run_serve
+from .stream import StreamBenchConfig
+from .stream import run_and_report as run_stream
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
@@ -20,9 +25,6 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.mode == "serve":
-        from .serve import ServeBenchConfig
-        from .serve import run_and_report as run_serve
-
         run_serve(ServeBenchConfig(
             url=args.url.rstrip("/"), streams=tuple(args.streams), requests_per_stream=args.requests_per_stream,
             api_key=args.api_key, json_path=args.json if args.json != "bench.json" else "bench_serve.json",
@@ -30,9 +32,6 @@ def _bench(args: argparse.Namespace) -> int:
         ))
         return 0
     if args.mode == "stream":
-        from .stream import StreamBenchConfig
-        from .stream import run_and_report as run_stream
-
         run_stream(StreamBenchConfig(
             streams=tuple(args.streams), tokens=args.tokens, size=args.size, device=args.device, dtype=args.dtype,
             repeats=args.repeats if args.repeats > 1 else 2,
@@ -40,15 +39,11 @@ def _bench(args: argparse.Namespace) -> int:
             json_path=args.json if args.json != "bench.json" else "bench_stream.json",
         ))
         return 0
-    from .runner import run_and_report
-
     run_and_report(bench_config(args))
     return 0
 
 
 def add_bench_parser(sub) -> None:
-    from .config import DEFAULT_BATCHES, DTYPES, SIZES
-
     b = sub.add_parser("bench", help="reference decode vs velocity engine on random weights, in one run",
                        description="Time the reference decode loop and the velocity engine on the same "
                                    "random weights and prompt: per-step latency, tokens/s, audio seconds per "

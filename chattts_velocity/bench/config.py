@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import default_engine_dtype, resolve_device
+
 SIZES = ("tiny", "full")
 DTYPES = ("float16", "bfloat16", "float32")
 DEFAULT_BATCHES = (1, 16, 64, 256)
@@ -94,15 +96,11 @@ class BenchConfig:
 
     @property
     def resolved_device(self) -> str:
-        if self.device is not None:
-            return self.device
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device if self.device is not None else str(resolve_device(None))
 
     @property
     def resolved_dtype(self) -> str:
-        if self.dtype is not None:
-            return self.dtype
-        return "float16" if torch.device(self.resolved_device).type == "cuda" else "float32"
+        return self.dtype if self.dtype is not None else default_engine_dtype(self.resolved_device)
 
     def runs_reference(self, batch: int) -> bool:
         return not self.skip_reference and (

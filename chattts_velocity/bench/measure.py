@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..config import SAMPLE_RATE, SAMPLES_PER_TOKEN
+from ..constants import SAMPLE_RATE, SAMPLES_PER_TOKEN
 
 TTFA_TOKENS = 24
 """Tokens of the first audio chunk (upstream's ``stream_batch``: 24 tokens = 0.512 s of audio)."""

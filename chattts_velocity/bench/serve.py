@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..config import SAMPLE_RATE
+from ..constants import SAMPLE_RATE
 from .report import require_matplotlib
 
 TEXT = "Streaming speech for many users at once, chunk by chunk, as soon as it is generated."
@@ -36,11 +36,8 @@ class ServeBenchConfig:
     plot_path: str | None = None
     streams_per_process: int = 16
     """Clients driven by one client process: a level of more streams is split over several processes, started
-    together. With httpx as the client (before ``_Connection``), against the server on an H100: at 256 streams
-    one client process measured first audio p99 at 6.2-6.8 s against 2.3 s from 4 (`bash
-    benchmarks/gpu_serve.sh`, 0ae4b28 and f7333a5 with `--audio-round-ms 0`), and at 64 streams the time to
-    the response headers, p50, was 313 ms from 1 process, 118 ms from 4 and 86 ms from 16
-    (`benchmarks/client_split.sh`): the clients' own event loops, not the server."""
+    together, so that the clients' own event loops do not become what is measured (``bench serve
+    --streams-per-process``; docs/perf/)."""
     trace: bool = False
     """Keep every request's times in the level's row (``traced``: its ``time.monotonic`` when sent, then
     seconds to the headers, to the first audio and to the end, and its seconds of audio) and send each with an ``X-Request-Id``

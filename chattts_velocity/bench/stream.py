@@ -15,9 +15,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 
-from ..config import SAMPLE_RATE
+from ..chat import Chat
+from ..constants import SAMPLE_RATE
+from ..device import default_engine_dtype, resolve_device
+from ..model.checkpoint import write_checkpoint
 from .runner import device_name
 
 TEXT = "Streaming speech for many users at once, chunk by chunk."
@@ -72,14 +74,11 @@ class StreamRecord:
         return bool(np.any(np.array(self.arrivals) - self.arrivals[0] > played + 1e-3))
 
 
-def load_chat(cfg: StreamBenchConfig, max_streams: int):
-    from .. import Chat
-    from ..model.checkpoint import write_checkpoint
-
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = cfg.dtype or ("float16" if device.type == "cuda" else "float32")
+def load_bench_chat(cfg: StreamBenchConfig, max_streams: int) -> Chat:
+    """A ``Chat`` over ``cfg``'s random weights, with room for ``max_streams`` streams."""
+    device = resolve_device(cfg.device)
     chat = Chat()
-    kw = dict(device=device, engine_dtype=dtype, max_num_seqs=max(max_streams, 1))
+    kw = dict(device=device, engine_dtype=cfg.dtype or default_engine_dtype(device), max_num_seqs=max(max_streams, 1))
     if cfg.size == "full":
         chat.load(load_format="dummy", **kw)
     else:
@@ -152,7 +151,7 @@ def _median(runs: list[dict]) -> dict:
 
 
 def run_stream_bench(cfg: StreamBenchConfig) -> dict:
-    chat = load_chat(cfg, max(cfg.streams))
+    chat = load_bench_chat(cfg, max(cfg.streams))
     device = device_name(chat.device)
     try:
         for n in sorted({1, min(8, max(cfg.streams))}):  # warm-up: kernels, graphs, audio shapes

@@ -15,16 +15,15 @@ import logging
 import random
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .block_manager import BlockSpaceManager
-from .config import EngineConfig
-from .model_runner import Window
-from .sampling_params import Mode, SamplingParams
+from .engine_config import EngineConfig
+from .model_runner import LaunchedStep, ModelRunner
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import FinishReason, Prompt, RequestOutput, Sequence, SequenceGroup
-from .worker import Worker
+from .sequence import FinishReason, Prompt, RequestOutput, Sequence
+from .validation import check_prompt, float32_host, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -55,26 +54,27 @@ class LLMEngine:
         self.config = config
         self.model_config = gpt.config
         self.text_eos_id = text_eos_id
-        self.worker = Worker(gpt, config, spk_emb_id, text_eos_id, torch.device(device))
-        self.block_manager = BlockSpaceManager(self.worker.num_blocks, config.block_size, config.watermark,
+        self.runner = ModelRunner(gpt, config, spk_emb_id, text_eos_id, torch.device(device))
+        self.block_manager = BlockSpaceManager(self.runner.num_blocks, config.block_size, config.watermark,
                                                config.enable_prefix_caching)
-        cuda = self.worker.device.type == "cuda"
+        cuda = self.runner.device.type == "cuda"
         prefill_first = cuda if config.prefill_first is None else config.prefill_first
-        seqs, tokens = self.worker.runner.prefill_limits() if prefill_first else (None, None)
+        seqs, tokens = self.runner.prefill_limits() if prefill_first else (None, None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_decode_steps, config.first_window_tokens, config.max_window_tokens,
                                    prefill_first, seqs, tokens)
-        self.requests: dict[str, SequenceGroup] = {}
+        self.requests: dict[str, Sequence] = {}
+        """The unfinished requests' sequences, by request id."""
         self._aborted: list[RequestOutput] = []
         pipeline = config.pipeline_decode
         self._pipeline = cuda if pipeline is None else pipeline
-        self._window: Window | None = None
+        self._window: LaunchedStep | None = None
         """A decode window queued on the device (or a step launched ahead) whose tokens the next ``step``
         reads."""
         self._ahead_failure: Exception | None = None
         """What ``launch_ahead`` raised: the next ``step`` reports it as its own."""
         self._ids = itertools.count()
-        dev = self.worker.device
+        dev = self.runner.device
         self._report_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         """Where reports are built (see ``_reporting``)."""
         self._batch: list[Sequence] = []
@@ -113,12 +113,12 @@ class LLMEngine:
         """Queue a sequence from ``make_sequence`` (on the thread that steps the engine)."""
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
-        self.requests[seq.request_id] = SequenceGroup(seq)
+        self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
     def _sequence(self, seq_id, request_id, tokens, is_text, speaker, params, seed) -> Sequence:
         capacity = self.kv_capacity
-        speaker = None if speaker is None else _float32_host(speaker)
+        speaker = None if speaker is None else float32_host(speaker)
         speaker_key = b"" if speaker is None else hashlib.blake2b(speaker.numpy().tobytes(), digest_size=16).digest()
         max_tokens = min(len(tokens) + params.max_new_tokens, self.max_model_len, capacity)
         return Sequence(seq_id, request_id, tokens, is_text, speaker, speaker_key, params, seed, max_tokens)
@@ -126,7 +126,7 @@ class LLMEngine:
     def num_cached_prompt_tokens(self, prompt: Prompt) -> int:
         """How many leading tokens of ``prompt`` the prefix cache holds now (what admitting it would reuse).
         A pure query: it draws no id and no seed."""
-        tokens, is_text = self._check_prompt(prompt)
+        tokens, is_text = check_prompt(self.model_config, prompt)
         seq = self._sequence(-1, "", tokens, is_text, prompt.speaker, SamplingParams(), 0)
         return len(self.block_manager.lookup_prefix(seq)) * self.block_manager.block_size
 
@@ -134,19 +134,16 @@ class LLMEngine:
         """Raise ``ValueError`` saying what to fix if the request can never be served; else its tokens."""
         return validate_request(self.model_config, self.kv_capacity, prompt, params)
 
-    def _check_prompt(self, prompt: Prompt) -> tuple[list[tuple[int, ...]], list[bool]]:
-        return check_prompt(self.model_config, prompt)
-
     def abort_request(self, request_id: str, report: bool = True) -> bool:
         """Stop a request now and free its blocks; unless ``report`` is False, the next ``step`` reports it
         finished with ``abort``. Returns False if the request is unknown or already finished."""
-        group = self.requests.pop(request_id, None)
-        if group is None:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
             return False
-        self.scheduler.finish(group.seq, FinishReason.ABORT)
+        self.scheduler.finish(seq, FinishReason.ABORT)
         if report:
             with self._reporting():
-                self._aborted.append(self._output(group))
+                self._aborted.append(self._output(seq))
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -168,7 +165,7 @@ class LLMEngine:
             self._batch = []
         with self._reporting():
             for seq in sampled:
-                outputs.append(self._output(self.requests[seq.request_id]))
+                outputs.append(self._output(seq))
                 if seq.is_finished:
                     del self.requests[seq.request_id]
         return outputs
@@ -189,10 +186,9 @@ class LLMEngine:
     def launch_ahead(self) -> bool:
         """Launch the next step now, when nothing is queued and it brings sequences to their first audio
         (``Scheduler.before_first_audio``: prompts, a short first window): the device computes it while the
-        caller does host work (the audio round of the step before: 17 ms p50 for a round of 32+ windows under a
-        server's load
-        on an H100, during which a step launched after it waited), and the next ``step`` reads it. Only where
-        windows are pipelined (``EngineConfig.pipeline_decode``: CUDA). Whether it launched one."""
+        caller does host work (the audio round of the step before, during which a step launched after it waited:
+        `chattts-velocity bench stream`; docs/perf/), and the next ``step`` reads it. Only where windows are
+        pipelined (``EngineConfig.pipeline_decode``: CUDA). Whether it launched one."""
         if not self._pipeline or self._window is not None or not self.scheduler.before_first_audio():
             return False
         try:
@@ -202,7 +198,7 @@ class LLMEngine:
             return True
         return self._window is not None
 
-    def _launch(self) -> Window | None:
+    def _launch(self) -> LaunchedStep | None:
         """Schedule a step and launch it (None: nothing to run)."""
         self._batch = []
         plan = self.scheduler.schedule()
@@ -210,7 +206,7 @@ class LLMEngine:
         if not plan.scheduled:
             return None
         self._count(plan)
-        window = self.worker.launch(plan)
+        window = self.runner.launch(plan)
         if not window.decode:  # a decode's one token is counted with its sample (``Scheduler.accept``)
             self.scheduler.computed(plan.scheduled)
         return window
@@ -231,7 +227,7 @@ class LLMEngine:
             self._batch = list(window.seqs)
         if window.decode:
             self._window = self._continue(window)
-        tokens = self.worker.collect(window)
+        tokens = self.runner.collect(window)
         sampled = []
         for seq, seq_tokens, seq_hidden in zip(window.seqs, tokens, window.hidden.unbind(1), strict=True):
             if not seq.is_finished:  # not aborted while its window ran
@@ -263,10 +259,10 @@ class LLMEngine:
         outputs = []
         with self._reporting():
             for seq in culprits:
-                group = self.requests.pop(seq.request_id)
+                del self.requests[seq.request_id]
                 self.scheduler.finish(seq, FinishReason.ERROR)
                 self._totals["num_failed"] += 1
-                out = self._output(group)
+                out = self._output(seq)
                 out.error = err
                 outputs.append(out)
         return outputs
@@ -278,7 +274,7 @@ class LLMEngine:
                            kv_blocks_used=bm.num_blocks - bm.num_free_blocks, kv_blocks_total=bm.num_blocks,
                            num_preemptions=sched.num_preemptions, **self._totals)
 
-    def _continue(self, window: Window) -> Window | None:
+    def _continue(self, window: LaunchedStep) -> LaunchedStep | None:
         """Queue the same batch's next window behind ``window`` when the scheduler grants it
         (``Scheduler.continue_window``: nothing can change the batch before it, and it reserved the blocks).
         A sequence that ends by EOS inside ``window`` computes the queued window in vain; its tokens are
@@ -286,7 +282,7 @@ class LLMEngine:
         if not self._pipeline:
             return None
         steps = self.scheduler.continue_window(window.seqs, window.num_steps)
-        return self.worker.launch_next(window, steps) if steps else None
+        return self.runner.launch_next(window, steps) if steps else None
 
     def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:
         """Hand sampled tokens to the scheduler (which owns the sequence's state: ``Scheduler.accept``); keep the
@@ -297,9 +293,8 @@ class LLMEngine:
         if taken and seq.params.return_hidden_states:
             seq.hidden_chunks.append(hidden[:taken])
 
-    def _output(self, group: SequenceGroup) -> RequestOutput:
-        seq, start = group.seq, group.num_reported
-        group.num_reported = seq.num_generated
+    def _output(self, seq: Sequence) -> RequestOutput:
+        start, seq.num_reported = seq.num_reported, seq.num_generated
         out = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=seq.output_ids(start),
@@ -312,65 +307,3 @@ class LLMEngine:
             out.token_ids = seq.output_ids()
             out.hidden_states = seq.output_hidden(self.model_config.hidden_size)
         return out
-
-
-def validate_request(cfg, kv_capacity: int, prompt: Prompt, params: SamplingParams
-                     ) -> tuple[list[tuple[int, ...]], list[bool]]:
-    """Raise ``ValueError`` saying what to fix if the request can never be served by an engine over a model of
-    config ``cfg`` with ``kv_capacity`` tokens of KV cache; else its tokens (a pure check: a server's front
-    runs it without the engine)."""
-    params.validate(cfg.num_vq, cfg.num_text_tokens if params.mode is Mode.TEXT else cfg.num_audio_tokens)
-    tokens, is_text = check_prompt(cfg, prompt)
-    context = cfg.max_position_embeddings
-    if len(tokens) >= min(context, kv_capacity):
-        limit = "the model's context" if context <= kv_capacity else "the KV cache"
-        raise ValueError(
-            f"prompt of {len(tokens)} tokens leaves no room to generate: {limit} holds "
-            f"{min(context, kv_capacity)} tokens; shorten the prompt"
-            + ("" if context <= kv_capacity else " or give the engine more KV cache")
-        )
-    return tokens, is_text
-
-
-def check_prompt(cfg, prompt: Prompt) -> tuple[list[tuple[int, ...]], list[bool]]:
-    ids, mask = prompt.ids, prompt.text_mask
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.size(1) != cfg.num_vq or ids.is_floating_point():
-        raise ValueError(f"prompt.ids must be an integer tensor [T, num_vq={cfg.num_vq}], got "
-                         f"{getattr(ids, 'shape', type(ids).__name__)}")
-    if ids.size(0) == 0:
-        raise ValueError("prompt is empty: give at least one token")
-    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape[:1] or mask.dtype != torch.bool:
-        raise ValueError(f"prompt.text_mask must be a bool tensor [{ids.size(0)}], got "
-                         f"{getattr(mask, 'shape', type(mask).__name__)}")
-    # checked on Python lists: each torch call would let go of the GIL and wait to take it back, which a
-    # busy server's request threads pay dearly (see ``text.speaker._string_speaker``)
-    rows, is_text = ids.tolist(), mask.tolist()
-    for name, text, limit in (("text", True, cfg.num_text_tokens), ("audio", False, cfg.num_audio_tokens)):
-        if any(t is text and (min(row) < 0 or max(row) >= limit) for row, t in zip(rows, is_text, strict=True)):
-            raise ValueError(f"prompt has {name} ids outside [0, {limit})")
-    spk = prompt.speaker
-    if spk is not None and (not isinstance(spk, torch.Tensor) or spk.shape != (cfg.hidden_size,)
-                            or not spk.is_floating_point() or not _finite(spk)):
-        raise ValueError(f"prompt.speaker must be None or a finite float tensor [{cfg.hidden_size}]")
-    return [tuple(t) for t in rows], is_text
-
-
-# A request's preparation runs on a server's worker threads; every torch op there lets go of the GIL and must
-# take it back from a busy engine thread (up to a switch interval, 5 ms, each: `benchmarks/prepare_gil.py`).
-# A CPU vector of a dtype numpy has goes through numpy instead, which keeps the GIL.
-def _host_array(vec: torch.Tensor) -> np.ndarray | None:
-    if vec.device.type != "cpu" or vec.dtype == torch.bfloat16 or vec.requires_grad:
-        return None
-    return vec.numpy()
-
-
-def _finite(vec: torch.Tensor) -> bool:
-    host = _host_array(vec)
-    return bool(np.isfinite(host).all()) if host is not None else bool(torch.isfinite(vec).all())
-
-
-def _float32_host(vec: torch.Tensor) -> torch.Tensor:
-    host = _host_array(vec)
-    if host is not None:
-        return torch.from_numpy(host.astype(np.float32))  # a copy, as .to() of another dtype makes
-    return vec.detach().to(torch.float32).cpu()

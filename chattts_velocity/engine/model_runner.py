@@ -1,19 +1,15 @@
-"""``ModelRunner``: runs a scheduled step and hands back its tokens, one path for every kind of step.
-``launch(plan)`` queues the step on the device and returns a ``Window``; ``collect(window)`` waits for its
-tokens (and ``window.hidden`` holds the hidden state behind each). A decode step (every sequence decodes one
+"""``ModelRunner``: owns the device side (the Llama core in the engine's dtype, the paged KV cache sized from the
+config and the device's memory, the sampler) and runs a scheduled step on it, one path for every kind of step.
+
+``launch(plan)`` queues the step on the device and returns a ``LaunchedStep``; ``collect(step)`` waits for its
+tokens (and ``step.hidden`` holds the hidden state behind each). A decode step (every sequence decodes one
 token it generated, all in one mode) runs as a window of ``plan.num_steps`` steps through the
 ``MultiStepDecoder`` (CUDA-graph replays), one step being a window of one; ``launch_next`` queues the same
 batch's next window before the current one is read. Any other step (prompts, prompt chunks, recomputation,
 decodes mixed in with them) turns into flat tensors, builds ChatTTS input embeddings (text ids, summed codes,
-speaker vector), runs the Llama core over the paged KV cache and samples the sequences that reached their last
-position: a window of one step whose tokens come back the same way.
-
-On CUDA a prefill step (any step that is not one token per sequence) of up to ``PREFILL_SEQS[-1]`` sequences
-and ``PREFILL_TOKENS[-1]`` tokens runs padded to the next bucket of both: the padding tokens belong to no
-sequence and write no KV, the padding sequences are empty. Each bucket's core forward is a CUDA graph, so a
-lone prompt's prefill no longer pays the host's ~200 kernel launches (`benchmarks/prefill_trace.py`: 9.2 ms
-of host time against 0.75 ms on the device, H100, a 40-token prompt). Eager runs (``enforce_eager``) pad the
-same way, so both compute the same shapes and give the same bits.
+speaker vector), runs the Llama core over the paged KV cache (padded to a captured bucket on CUDA:
+``PaddedPrefill``) and samples the sequences that reached their last position: a window of one step whose
+tokens come back the same way.
 """
 
 from __future__ import annotations
@@ -26,20 +22,24 @@ import torch
 from torch import Tensor
 
 from ..model.llama import AttentionMetadata, LlamaCore
-from .decode import MultiStepDecoder
+from .engine_config import EngineConfig
+from .multi_step import MultiStepDecoder
+from .prefill_graphs import PREFILL_SEQS, PREFILL_TOKENS, PaddedPrefill
 from .sampler import Sampler
 from .scheduler import ScheduledSeq, SchedulerOutput
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-PREFILL_TOKENS = (32, 64, 128, 256, 512)
-PREFILL_SEQS = (1, 4, 16)
+CPU_KV_GIB = 1.0
+"""KV cache of an automatic size on CPU."""
+GPU_KV_FRACTION = 0.4
+"""Share of the free GPU memory an automatic KV cache takes."""
 
 
 @dataclass
-class Window:
-    """A launched step (``ModelRunner.launch``): ``collect`` waits for its tokens."""
+class LaunchedStep:
+    """A step queued on the device (``ModelRunner.launch``): ``collect`` waits for its tokens."""
 
     seqs: list[Sequence]
     """The sequences that sample a token at each of its steps."""
@@ -55,30 +55,35 @@ class Window:
 
 
 class ModelRunner:
-    def __init__(self, gpt, core: LlamaCore, kv_caches: list[tuple[Tensor, Tensor]], block_size: int,
-                 spk_emb_id: int, sampler: Sampler, device: torch.device, codes: tuple[Tensor, Tensor],
-                 max_num_seqs: int, max_steps: int, max_model_len: int = 4096, use_cuda_graph: bool = False):
+    def __init__(self, gpt, config: EngineConfig, spk_emb_id: int, text_eos_id: int, device: torch.device):
+        gcfg = gpt.config
         self.gpt = gpt
-        self.core = core
-        self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.spk_emb_id = spk_emb_id
-        self.sampler = sampler
         self.device = device
-        self._code_table, self._code_offsets = codes  # ``Embed.fuse_code_tables``' (the decode windows' too)
-        self.prefill: _PaddedPrefill | None = None
+        self.block_size = config.block_size
+        self.spk_emb_id = spk_emb_id
+        gpt.ensure_llama()  # (an engine built again over a model whose reference weights were let go)
+        self.core = LlamaCore(gpt.llama, config.torch_dtype, device)
+        self.num_blocks = num_kv_blocks(config, gcfg, device)
+        self.kv_caches = _allocate_kv(self.num_blocks, config, gcfg, device)
+        self.sampler = Sampler(gpt.embed, gcfg.num_vq, gcfg.eos_code, text_eos_id)
+        use_graphs = device.type == "cuda" and not config.enforce_eager
+        with torch.no_grad():  # the audio codes' embedding table, one for the prefill steps and the windows
+            codes = gpt.embed.fuse_code_tables()  # [Q * V, H], [Q]
+        self._code_table, self._code_offsets = codes
+        max_model_len, max_seqs, max_steps = gcfg.max_position_embeddings, config.max_num_seqs, config.num_decode_steps
+        self.prefill: PaddedPrefill | None = None
         if device.type == "cuda":
-            self.prefill = _PaddedPrefill(core, kv_caches, -(-max_model_len // block_size), device)
-            if use_cuda_graph:
+            self.prefill = PaddedPrefill(self.core, self.kv_caches, -(-max_model_len // self.block_size), device)
+            if use_graphs:
                 self.prefill.capture()
-        self.decoder = MultiStepDecoder(gpt, core, kv_caches, sampler, codes, block_size, max_num_seqs, max_steps,
-                                        max_model_len, device, use_cuda_graph)
+        self.decoder = MultiStepDecoder(gpt, self.core, self.kv_caches, self.sampler, codes, self.block_size,
+                                        max_seqs, max_steps, max_model_len, device, use_graphs)
         # Pinned host buffers, two (one window in flight while the previous one is read), flat: a window's
         # [K, n, Q] tokens go to a contiguous view of one. A pageable or non-contiguous destination (a [:K, :n]
         # slice of a [K_max, B_max, Q] buffer) makes torch copy through a pageable temporary, and so wait for
         # the window in flight: every launch of a batch smaller than max_num_seqs waited for its whole window
-        # (py-spy of the server at 256 streams, H100), undoing the pipelining.
-        size = max_steps * max_num_seqs * gpt.config.num_vq
+        # (seen in a profile of the server under load), undoing the pipelining.
+        size = max_steps * max_seqs * gcfg.num_vq
         self._host_tokens = [torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
                              for _ in range(2)]
         self._next_host = 0
@@ -98,24 +103,24 @@ class ModelRunner:
         return self.core.forward(emb, meta, self.kv_caches), last_rows
 
     @torch.inference_mode()
-    def launch(self, plan: SchedulerOutput) -> Window:
+    def launch(self, plan: SchedulerOutput) -> LaunchedStep:
         """Queue the scheduled step and return at once (see the module docstring)."""
         if plan.decode:
             seqs = [item.seq for item in plan.scheduled]
-            return self._window(seqs, *self.decoder.run(seqs, plan.num_steps), decode=True)
+            return self._launched(seqs, *self.decoder.run(seqs, plan.num_steps), decode=True)
         hidden, last_rows = self.forward(plan.scheduled)
         seqs = [item.seq for item in plan.scheduled if item.samples]
         hidden = hidden[last_rows].float()  # [S, H]
         tokens = self.sampler(hidden, seqs)  # [S, Q]
-        return self._window(seqs, hidden[None], tokens[None], decode=False)
+        return self._launched(seqs, hidden[None], tokens[None], decode=False)
 
     @torch.inference_mode()
-    def launch_next(self, window: Window, num_steps: int) -> Window:
-        """Queue the next window of ``window``'s batch behind it, before its tokens are read: the decoder's
+    def launch_next(self, step: LaunchedStep, num_steps: int) -> LaunchedStep:
+        """Queue the next window of ``step``'s batch behind it, before its tokens are read: the decoder's
         device state already holds this window's inputs (``MultiStepDecoder.run``, ``continuing``)."""
-        return self._window(window.seqs, *self.decoder.run(window.seqs, num_steps, continuing=True), decode=True)
+        return self._launched(step.seqs, *self.decoder.run(step.seqs, num_steps, continuing=True), decode=True)
 
-    def _window(self, seqs: list[Sequence], hidden: Tensor, tokens: Tensor, decode: bool) -> Window:
+    def _launched(self, seqs: list[Sequence], hidden: Tensor, tokens: Tensor, decode: bool) -> LaunchedStep:
         """``tokens`` [K, n, Q] on their way to a host buffer (not waited for) and ``hidden`` [K, n, H]."""
         k, n, q = tokens.shape
         host = self._host_tokens[self._next_host][: k * n * q].view(k, n, q)
@@ -125,15 +130,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Window(seqs, k, hidden, host, done, decode)
+        return LaunchedStep(seqs, k, hidden, host, done, decode)
 
-    def collect(self, window: Window) -> list[list[tuple[int, ...]]]:
-        """Wait for ``window``; tokens[i][j] of sequence i at step j."""
-        if window.done is not None:
-            window.done.synchronize()
-        # each sequence's codebook columns zipped into its tokens: zip builds the tuples in C (256 sequences x
-        # 32 steps on the 2-core dev box: 5.5 ms against 14.6 for a tuple() per token)
-        return [list(zip(*columns, strict=True)) for columns in window.tokens.numpy().transpose(1, 2, 0).tolist()]
+    def collect(self, step: LaunchedStep) -> list[list[tuple[int, ...]]]:
+        """Wait for ``step``; tokens[i][j] of sequence i at step j (hidden states: ``step.hidden``)."""
+        if step.done is not None:
+            step.done.synchronize()
+        # each sequence's codebook columns zipped into its tokens: zip builds the tuples in C, several times
+        # faster than a tuple() per token
+        return [list(zip(*columns, strict=True)) for columns in step.tokens.numpy().transpose(1, 2, 0).tolist()]
 
     def _prepare(self, scheduled: list[ScheduledSeq]):
         """The step's flat inputs on the device: ids [N, num_vq], attention metadata, the rows of each sampling
@@ -199,67 +204,39 @@ class ModelRunner:
         return emb
 
 
-class _PaddedPrefill:
-    """The padded prefill steps (see the module docstring): static input buffers sized for the largest bucket,
-    and each bucket's CUDA graph once ``capture`` ran (eager on the same buffers before)."""
+def kv_block_bytes(config: EngineConfig, gcfg) -> int:
+    """Bytes of one KV block over every layer (keys and values)."""
+    per_token = 2 * gcfg.num_hidden_layers * gcfg.num_key_value_heads * (gcfg.hidden_size // gcfg.num_attention_heads)
+    return per_token * config.block_size * torch.empty(0, dtype=config.torch_dtype).element_size()
 
-    def __init__(self, core: LlamaCore, kv_caches, table_width: int, device: torch.device):
-        self.core, self.kv_caches = core, kv_caches
-        tokens, seqs = PREFILL_TOKENS[-1], PREFILL_SEQS[-1]
-        hidden = core.layers[0].o.size(0)
 
-        def i32(*shape):
-            return torch.zeros(shape, dtype=torch.int32, device=device)
+def num_kv_blocks(config: EngineConfig, gcfg, device: torch.device) -> int:
+    """The KV cache's blocks: ``num_kv_blocks``, else what ``kv_cache_gib`` (or the automatic budget) holds."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_gib is not None:
+        budget = config.kv_cache_gib * 2**30
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * GPU_KV_FRACTION
+    else:
+        budget = CPU_KV_GIB * 2**30
+    blocks = int(budget // kv_block_bytes(config, gcfg))
+    if config.kv_cache_gib is None:  # automatic size: no more than max_num_seqs full contexts
+        per_seq = -(-gcfg.max_position_embeddings // config.block_size)
+        blocks = min(blocks, config.max_num_seqs * per_seq)
+    if blocks < 1:
+        raise ValueError(f"kv_cache_gib={config.kv_cache_gib} holds no KV block; give more memory")
+    return blocks
 
-        self.emb = torch.zeros(tokens, hidden, dtype=core.dtype, device=device)
-        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
-        self.slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
-        self.cu, self.ctx, self.tables = i32(seqs + 1), i32(seqs), i32(seqs, table_width)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
 
-    def fits(self, num_seqs: int, num_tokens: int) -> bool:
-        return num_seqs <= PREFILL_SEQS[-1] and num_tokens <= PREFILL_TOKENS[-1]
-
-    def _meta(self, seqs: int, tokens: int) -> AttentionMetadata:
-        return AttentionMetadata(positions=self.positions[:tokens], slot_mapping=self.slots[:tokens],
-                                 cu_seqlens_q=self.cu[: seqs + 1], context_lens=self.ctx[:seqs],
-                                 block_tables=self.tables[:seqs], decode_only=False)
-
-    def capture(self) -> None:
-        pool = None
-        for seqs in reversed(PREFILL_SEQS):
-            for tokens in reversed(PREFILL_TOKENS):
-                meta = self._meta(seqs, tokens)  # the buffers as built: every sequence empty, no KV written
-                self.core.forward(self.emb[:tokens], meta, self.kv_caches)  # warm up (Triton, cuBLAS)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.core.forward(self.emb[:tokens], meta, self.kv_caches)
-                pool = graph.pool()
-                self.graphs[seqs, tokens] = graph, out
-        torch.cuda.synchronize()
-        logger.info("captured %d prefill CUDA graphs (up to %d sequences, %d tokens)", len(self.graphs),
-                    PREFILL_SEQS[-1], PREFILL_TOKENS[-1])
-
-    def __call__(self, emb: Tensor, meta: AttentionMetadata) -> Tensor:
-        """``core.forward(emb, meta)`` padded to the bucket: hidden states [N, H] (a tensor of its own)."""
-        n, s = emb.size(0), meta.context_lens.size(0)
-        tokens = next(b for b in PREFILL_TOKENS if b >= n)
-        seqs = next(b for b in PREFILL_SEQS if b >= s)
-        self.emb[:n].copy_(emb)
-        self.emb[n:tokens].zero_()
-        self.positions[:n].copy_(meta.positions)
-        self.positions[n:tokens].zero_()
-        self.slots[:n].copy_(meta.slot_mapping)
-        self.slots[n:tokens].fill_(-1)  # padding tokens write no KV
-        self.cu[: s + 1].copy_(meta.cu_seqlens_q)
-        self.cu[s + 1 : seqs + 1].fill_(n)  # padding sequences are empty
-        self.ctx[:s].copy_(meta.context_lens)
-        self.ctx[s:seqs].zero_()
-        self.tables[:s, : meta.block_tables.size(1)].copy_(meta.block_tables)
-        captured = self.graphs.get((seqs, tokens))
-        if captured is None:
-            out = self.core.forward(self.emb[:tokens], self._meta(seqs, tokens), self.kv_caches)
-        else:
-            captured[0].replay()
-            out = captured[1]
-        return out[:n].clone()  # the graph's output buffer is overwritten by the next replay
+def _allocate_kv(num_blocks: int, config: EngineConfig, gcfg, device: torch.device) -> list[tuple[Tensor, Tensor]]:
+    """One (keys, values) pair of [blocks, block_size, kv_heads, head_dim] per layer."""
+    head_dim = gcfg.hidden_size // gcfg.num_attention_heads
+    shape = (num_blocks, config.block_size, gcfg.num_key_value_heads, head_dim)
+    caches = [(torch.zeros(shape, dtype=config.torch_dtype, device=device),
+               torch.zeros(shape, dtype=config.torch_dtype, device=device))
+              for _ in range(gcfg.num_hidden_layers)]
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, config.block_size,
+                num_blocks * kv_block_bytes(config, gcfg) / 2**30, config.dtype)
+    return caches

@@ -5,18 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ..params import _is_int, _is_num, _plain, _short
-from ..sampling.processors import (
+from ..sampling.limits import (
     MAX_COUNT,
     MAX_PENALTY,
+    MAX_PENALTY_WINDOW,
     MAX_TEMPERATURE,
     MIN_PENALTY,
     MIN_TEMPERATURE,
     PENALTY_WINDOW,
+    is_int,
+    is_num,
+    plain,
+    short,
 )
-
-MAX_PENALTY_WINDOW = 64
-"""Widest repetition-penalty window (the multi-step decoder keeps this many recent ids per row on the device)."""
 
 
 class Mode(str, Enum):
@@ -55,37 +56,37 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
         temps = self.temperature if isinstance(self.temperature, (tuple, list)) else (self.temperature,)
-        object.__setattr__(self, "temperature", tuple(_plain(t) for t in temps))
+        object.__setattr__(self, "temperature", tuple(plain(t) for t in temps))
         for name in ("top_p", "top_k", "repetition_penalty", "penalty_window", "min_new_tokens", "max_new_tokens",
                      "seed"):  # numpy scalars as Python numbers, so every later conversion is exact
-            object.__setattr__(self, name, _plain(getattr(self, name)))
+            object.__setattr__(self, name, plain(getattr(self, name)))
 
     def validate(self, num_vq: int, vocab: int | None = None) -> None:
         """Raise ``ValueError`` naming the first bad field and what it accepts. Every field is bounded to what
-        the sampler represents (see ``sampling.processors``); ``vocab`` (ids per row) bounds ``top_k``."""
+        the sampler represents (see ``sampling.limits``); ``vocab`` (ids per row) bounds ``top_k``."""
         if len(self.temperature) not in (1, num_vq) or (self.mode is Mode.TEXT and len(self.temperature) != 1):
             allowed = "1 value" if self.mode is Mode.TEXT else f"1 or {num_vq} values"
             raise ValueError(f"temperature must have {allowed}, got {len(self.temperature)}")
         for t in self.temperature:
-            _check(_is_num(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE, "temperature", t,
+            _check(is_num(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE, "temperature", t,
                    f"numbers in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
         if self.top_p is not None:
-            _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1] or None")
+            _check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1] or None")
         if self.top_k is not None:
             top = MAX_COUNT if vocab is None else vocab
-            _check(_is_int(self.top_k) and 1 <= self.top_k <= top, "top_k", self.top_k, f"an int in [1, {top}] or None")
+            _check(is_int(self.top_k) and 1 <= self.top_k <= top, "top_k", self.top_k, f"an int in [1, {top}] or None")
         if self.repetition_penalty is not None:
-            _check(_is_num(self.repetition_penalty) and MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY,
+            _check(is_num(self.repetition_penalty) and MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY,
                    "repetition_penalty", self.repetition_penalty,
                    f"a number in [{MIN_PENALTY:g}, {MAX_PENALTY:g}] or None")
-        _check(_is_int(self.penalty_window) and 1 <= self.penalty_window <= MAX_PENALTY_WINDOW, "penalty_window",
+        _check(is_int(self.penalty_window) and 1 <= self.penalty_window <= MAX_PENALTY_WINDOW, "penalty_window",
                self.penalty_window, f"an int in [1, {MAX_PENALTY_WINDOW}]")
-        _check(_is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_COUNT, "max_new_tokens",
+        _check(is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_COUNT, "max_new_tokens",
                self.max_new_tokens, f"an int in [1, {MAX_COUNT}]")
-        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+        _check(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
                self.min_new_tokens, f"an int in [0, max_new_tokens={self.max_new_tokens}]")
         if self.seed is not None:
-            _check(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", self.seed, "None or an int in [0, 2**63)")
+            _check(is_int(self.seed) and 0 <= self.seed < 2**63, "seed", self.seed, "None or an int in [0, 2**63)")
 
     def temperatures(self, num_vq: int) -> tuple[float, ...]:
         """One temperature per output row: ``num_vq`` in code mode, 1 in text mode."""
@@ -95,4 +96,4 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name}={_short(value)} is invalid: must be {allowed}")
+        raise ValueError(f"SamplingParams.{name}={short(value)} is invalid: must be {allowed}")

@@ -55,9 +55,8 @@ class SchedulerOutput:
 
 
 MIN_CAPPED_STEPS = 8
-"""The fewest steps ``max_window_tokens`` cuts a decode window to. Capped at 1024 tokens without it, windows
-of 256 sequences ran 4 steps, and a server delivered 384 audio s per s at 256 streams against 548 at 8
-steps (one H100, `serve --engine-process --max-window-tokens 1024` against `2048`, random lengths)."""
+"""The fewest steps ``max_window_tokens`` cuts a decode window to: shorter windows of a large batch cost the
+server much of its throughput (`chattts-velocity bench serve` with `--max-window-tokens`; docs/perf/)."""
 
 
 class Scheduler:
@@ -156,7 +155,7 @@ class Scheduler:
         whose tokens are not appended yet, with every sequence's blocks for it reserved now; 0 (nothing
         reserved) if the batch could change before it: a request waiting, a sequence not in the batch, the
         running window short (a short first window is there for latency: it is reported before more is
-        queued, as CUDA graph replays were host-bound at batch 1 in `benchmarks/first_window.py`), a sequence
+        queued, as CUDA graph replays are host-bound at batch 1: docs/perf/), a sequence
         finished or reaching its length limit inside the running window, or too few free blocks."""
         k = self.window_steps(len(seqs))
         if self.waiting or len(self.running) != len(seqs) or num_steps < k:

@@ -1,5 +1,5 @@
-"""``Sequence`` (the decoding state of one request) and ``SequenceGroup`` (the request: its sequence plus what
-has been reported to the caller). ChatTTS samples one sequence per request (no beam search, no n > 1)."""
+"""``Sequence``: the decoding state of one request (ChatTTS samples one sequence per request: no beam search, no
+n > 1), with ``Prompt`` (a request's input) and ``RequestOutput`` (what a step reports of it)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,8 @@ class Sequence:
         """Content hashes of the full blocks of ``tokens`` computed so far (a chain; see BlockSpaceManager)."""
         self.hidden_chunks: list[torch.Tensor] = []
         """Final-norm hidden states [n, H] that produced the generated tokens, in order, one chunk per step."""
+        self.num_reported = 0
+        """Generated tokens already returned by ``LLMEngine.step``."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -110,8 +112,8 @@ class Sequence:
     def output_ids(self, start: int = 0) -> torch.Tensor:
         """Generated ids from ``start``: [n, num_vq] (code mode) or [n] (text mode), int64."""
         gen, width = self.tokens[self.prompt_len + start :], len(self.tokens[0])
-        # through numpy: torch.tensor on a list of tuples costs ~4x more, once per request per window (and
-        # np.fromiter half of np.array's time: 256 outputs of 500 tokens, 12 against 20 ms on the dev box)
+        # through numpy: torch.tensor on a list of tuples costs several times more, once per request per window
+        # (and np.fromiter less than np.array)
         flat = np.fromiter(itertools.chain.from_iterable(gen), dtype=np.int64, count=len(gen) * width)
         ids = torch.from_numpy(flat.reshape(len(gen), width))
         return ids[:, 0] if self.text_mode else ids
@@ -132,16 +134,6 @@ class Sequence:
                 return torch.empty(0, hidden_size)
             return like.new_empty(0, hidden_size)
         return parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
-
-
-class SequenceGroup:
-    """A request: its sequence and how much of its output was already reported."""
-
-    def __init__(self, seq: Sequence):
-        self.seq = seq
-        self.request_id = seq.request_id
-        self.num_reported = 0
-        """Generated tokens already returned by ``LLMEngine.step``."""
 
 
 @dataclass

@@ -38,7 +38,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     check(num_splits is None or (isinstance(num_splits, int) and num_splits >= 1),
           f"num_splits must be None or an int >= 1, got {num_splits!r}")
     if use_triton(q):
-        from ._triton.decode import paged_decode_attention_triton
+        from ._triton.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
                                              num_splits)
@@ -62,7 +62,7 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
           f"context_lens {context_lens.shape[0]}")
     check_same_device(q=q, cu_seqlens_q=cu_seqlens_q)
     if use_triton(q):
-        from ._triton.prefill import paged_prefill_attention_triton
+        from ._triton.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                               scale)
@@ -72,14 +72,14 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
 def paged_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                                context_lens: Tensor, scale: float) -> Tensor:
     """Torch reference of ``paged_decode_attention`` (the CPU path): the whole batch in one masked softmax
-    over its longest context (a per-sequence loop cost the CPU engine ~2x per step at batch 8)."""
+    over its longest context (a per-sequence loop made the CPU engine's step much slower)."""
     batch, num_heads, _ = q.shape
     if batch == 0:
         return torch.empty_like(q)
     slots, visible = _decode_slots(block_tables, context_lens, k_cache.shape[1])  # [B, T] each
     # [B, Hq, T, D]: each head's rows contiguous, so the matmuls read K transposed without copying it (the CPU
     # decode step's dense copies have this layout: its results are these, bit for bit)
-    k, v = (_repeat_heads(c.flatten(0, 1)[slots], num_heads).transpose(1, 2).contiguous() for c in (k_cache, v_cache))
+    k, v = (repeat_heads(c.flatten(0, 1)[slots], num_heads).transpose(1, 2).contiguous() for c in (k_cache, v_cache))
     scores = torch.matmul(q.float()[:, :, None, :], k.transpose(2, 3))[:, :, 0] * scale  # [B, Hq, T]
     probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
     out = torch.matmul(probs.nan_to_num(0.0)[:, :, None, :], v)[:, :, 0]  # empty context: zeros
@@ -114,7 +114,7 @@ def _gather_kv(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
     return cache.flatten(0, 1)[slots]
 
 
-def _repeat_heads(x: Tensor, num_heads: int, dim: int = -2) -> Tensor:
+def repeat_heads(x: Tensor, num_heads: int, dim: int = -2) -> Tensor:
     """Heads along ``dim`` (default: [..., Hk, D]) from Hk to Hq, float32: each KV head repeated for its group
     of query heads."""
     group = num_heads // x.shape[dim]
@@ -123,7 +123,7 @@ def _repeat_heads(x: Tensor, num_heads: int, dim: int = -2) -> Tensor:
 
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """q [L, Hq, D] are the last L of the T positions of k, v [T, Hk, D] -> [L, Hq, D]; float32 softmax."""
-    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])  # [T, Hq, D]
+    k, v = repeat_heads(k, q.shape[1]), repeat_heads(v, q.shape[1])  # [T, Hq, D]
     scores = torch.einsum("lhd,thd->hlt", q.float(), k) * scale  # [Hq, L, T]
     length, total = q.shape[0], k.shape[0]
     q_pos = torch.arange(total - length, total, device=q.device)  # [L]

@@ -25,7 +25,7 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     Slot = block_id * block_size + offset; a negative slot skips its token (padding). k and v may be strided
     views whose heads are contiguous in D.
     """
-    _check(k, v, k_cache, v_cache, slot_mapping)
+    check_store_kv(k, v, k_cache, v_cache, slot_mapping)
     if use_triton(k):
         from ._triton.kv_cache import store_kv_triton
 
@@ -54,7 +54,7 @@ def check_kv_cache(k_cache: Tensor, v_cache: Tensor) -> None:
     check(is_power_of_two(head_dim), f"head_dim must be a power of two, got {head_dim}")
 
 
-def _check(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def check_store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     check_kv_cache(k_cache, v_cache)
     check_tensor("k", k, "[N, Hk, D]", 3, (k_cache.dtype,))
     check_tensor("v", v, "[N, Hk, D]", 3, (k_cache.dtype,))

@@ -11,15 +11,14 @@ from torch import Tensor
 
 from ._dispatch import FLOAT_DTYPES, check, check_contiguous, check_same_device, check_tensor, use_triton
 from .activation import silu_and_mul_ref
-from .kv_cache import _check as _check_store_kv
+from .kv_cache import check_store_kv
 from .norm import rms_norm_ref
-from .rotary import _check as _check_rotary
-from .rotary import rotary_store_kv, rotary_store_kv_ref
+from .rotary import check_rotary, rotary_store_kv, rotary_store_kv_ref
 
 MAX_FUSED_ROWS = 16
 """Up to this many rows one Triton program reads each weight tile once for all rows (a small decode batch).
-Larger batches run the unfused ops: on an H100 the fused kernel beat them by 3.7-4.2 us per layer at 1 and 16
-rows, and lost at 64 (qkv 11.1 vs 7.3 us, gate/up 18.1 vs 13.7 us)."""
+Larger batches run the unfused ops, which the fused kernel beats only at small batches
+(`benchmarks/kernel_probe.py`; docs/perf/)."""
 
 
 def fused_linear(x: Tensor, weight: Tensor, *, norm_weight: Tensor | None = None, eps: float = 1e-6,
@@ -58,8 +57,8 @@ def fused_qkv_rotary_store(x: Tensor, weight: Tensor, *, norm_weight: Tensor, ep
         _check(x, weight, norm_weight, residual, False)
         qkv = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
         q, k, v = _qkv_views(qkv, cos_sin_cache, num_heads, num_kv_heads)
-        _check_rotary(q, k, positions, cos_sin_cache)  # the checks ``rotary_store_kv`` makes, on the output's views
-        _check_store_kv(k, v, k_cache, v_cache, slot_mapping)
+        check_rotary(q, k, positions, cos_sin_cache)  # the checks ``rotary_store_kv`` makes, on the output's views
+        check_store_kv(k, v, k_cache, v_cache, slot_mapping)
         from ._triton.gemv import gemv_triton
 
         out = gemv_triton(x, weight, norm_weight, eps, residual, False,

@@ -17,8 +17,7 @@ from ._dispatch import (
     is_power_of_two,
     use_triton,
 )
-from .kv_cache import _check as _check_store_kv
-from .kv_cache import store_kv_ref
+from .kv_cache import check_store_kv, store_kv_ref
 
 
 def rotary_cos_sin_cache(head_dim: int, max_pos: int, theta: float, device: torch.device | str) -> Tensor:
@@ -40,7 +39,7 @@ def apply_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor)
     q and k may be strided views (e.g. slices of a fused qkv) as long as each head's D values are contiguous.
     Positions must be < cos_sin_cache.shape[0] (not checked: that would sync with the GPU).
     """
-    _check(q, k, positions, cos_sin_cache)
+    check_rotary(q, k, positions, cos_sin_cache)
     if use_triton(q):
         from ._triton.rotary import apply_rotary_triton
 
@@ -69,8 +68,8 @@ def rotary_store_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_
     k_cache, v_cache [num_blocks, block_size, Hk, D] at ``slot_mapping`` [N] (a negative slot skips the write,
     not the rotation).
     """
-    _check(q, k, positions, cos_sin_cache)
-    _check_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    check_rotary(q, k, positions, cos_sin_cache)
+    check_store_kv(k, v, k_cache, v_cache, slot_mapping)
     if use_triton(q):
         from ._triton.rotary_store_kv import rotary_store_kv_triton
 
@@ -88,7 +87,7 @@ def rotary_store_kv_ref(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_
     return q, k
 
 
-def _check(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> None:
+def check_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> None:
     check_tensor("q", q, "[N, Hq, D]", 3, FLOAT_DTYPES)
     check_tensor("k", k, "[N, Hk, D]", 3, (q.dtype,))
     n, _, head_dim = q.shape

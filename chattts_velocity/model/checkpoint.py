@@ -12,8 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from ..audio import DVAE, ConvStackConfig, DVAEConfig
-from ..config import ASSET_FILES, SPK_STAT_FILE, GPTConfig
+from ..audio.vocoder import build_vocos
+from ..constants import ASSET_FILES, HOP_LENGTH, SPK_STAT_FILE
+from ..text import SpeakerStats, Tokenizer
 from .gpt import ChatGPT
+from .gpt_config import GPTConfig
 from .tokenizer_files import write_tokenizer
 
 
@@ -76,15 +79,11 @@ def randomize_(module: torch.nn.Module, gen: torch.Generator, scale: float = 0.5
 def _vocos(sizes: dict):
     """The same construction as loading ``Vocos.safetensors`` (centred iSTFT), so random weights decode to
     the real model's wav lengths."""
-    from ..audio.vocoder import build_vocos
-
-    return build_vocos(dict(input_channels=100, n_fft=1024, hop_length=256, **sizes), torch.device("cpu"))
+    return build_vocos(dict(input_channels=100, n_fft=1024, hop_length=HOP_LENGTH, **sizes), torch.device("cpu"))
 
 
 def build_modules(size: CheckpointSize, seed: int, tokenizer_dir: str) -> RandomModules:
     """Random modules of ``size``; the tokenizer is written to (and read back from) ``tokenizer_dir``."""
-    from ..text import SpeakerStats, Tokenizer
-
     gen = torch.Generator().manual_seed(seed)
     n_text = write_tokenizer(tokenizer_dir, size.vocab_size)
     fields = {k: getattr(size.gpt, k) for k in size.gpt.__dataclass_fields__}

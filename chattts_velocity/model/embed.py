@@ -84,8 +84,8 @@ class Embed(nn.Module):
             return torch.cat([head.weight for head in self.head_code]).detach().clone()
 
     def text_head_matrix(self) -> torch.Tensor:
-        """The weight-normed text head [V_text, H], materialised once for the engine's refine steps (normalising
-        the full-size [21178, 768] weight took 30 ms of a 36 ms call on a 2-core CPU, `benchmarks/text_head.py`)."""
+        """The weight-normed text head [V_text, H], materialised once for the engine's refine steps: normalising
+        the full-size weight was most of a CPU refine step (docs/perf/)."""
         with parametrize.cached():
             return self.head_text.weight.detach().clone()
 

@@ -14,8 +14,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..config import GPTConfig
+from ..text import apply_speaker
 from .embed import Embed
+from .gpt_config import GPTConfig
 
 
 class ChatGPT(nn.Module):
@@ -85,8 +86,6 @@ class ChatGPT(nn.Module):
         self, input_ids: torch.Tensor, text_mask: torch.Tensor, spk_id: int | None, spk_vec: torch.Tensor | None
     ) -> torch.Tensor:
         """[B, T, num_vq] ids -> [B, T, H], the speaker vector written at ``[spk_emb]`` positions."""
-        from ..text import apply_speaker
-
         emb = self.embed(input_ids, text_mask)
         if spk_vec is not None:
             apply_speaker(emb, input_ids, spk_id, spk_vec)

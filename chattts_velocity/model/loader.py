@@ -13,9 +13,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import ASSET_FILES, FULL_GPT, HF_REPO_ID, SPK_STAT_FILE, GPTConfig
+from ..audio import DVAE, load_vocos
+from ..constants import ASSET_FILES, HF_REPO_ID, SPK_STAT_FILE
+from ..text import SpeakerStats, Tokenizer
 from ..weights import load_checked, read_safetensors, read_safetensors_dir
+from .checkpoint import FULL, build_modules, random_llama_state
 from .gpt import ChatGPT
+from .gpt_config import FULL_GPT, GPTConfig
 
 logger = logging.getLogger(__name__)
 SOURCES = ("huggingface", "local", "custom")
@@ -162,9 +166,6 @@ class ModelLoader:
         return self._load_files(root)
 
     def _load_files(self, root: Path) -> LoadedModel:
-        from ..audio import DVAE, load_vocos
-        from ..text import Tokenizer
-
         gpt_dir = root / ASSET_FILES["gpt"]
         embed_sd = read_safetensors(root / ASSET_FILES["embed"])
         config = _gpt_config(gpt_dir, embed_sd)
@@ -189,8 +190,6 @@ class ModelLoader:
 
     def _load_dummy(self, seed: int) -> LoadedModel:
         """Full-size random weights in memory (vLLM's ``load_format="dummy"``), for benchmarks and offline demos."""
-        from .checkpoint import FULL, build_modules, random_llama_state
-
         with tempfile.TemporaryDirectory() as tmp:
             mods = build_modules(FULL, seed, tokenizer_dir=tmp)
         mods.gpt.llama_source = functools.partial(random_llama_state, mods.config, seed)
@@ -237,8 +236,6 @@ def _llama_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _speaker_stats(root: Path, hidden: int):
     """Speaker statistics: the checkpoint's own file, else upstream's built-in ones for the 768-wide model."""
-    from ..text import SpeakerStats
-
     path = root / SPK_STAT_FILE
     if path.exists():
         sd = read_safetensors(path)

@@ -11,7 +11,7 @@ def stacked_weights(modules: list[nn.Module], dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> Tensor:
     """The modules' ``weight`` rows stacked into one [sum N_i, K] matrix (in ``dtype`` on ``device``; default:
     the weights' own). Where that is the weights' own dtype and device, each module's weight becomes a view of
-    its rows (the old tensor is dropped): 495 MiB less for the full-size Llama core in float32."""
+    its rows (the old tensor is dropped), so the engine's stacked weights cost no second copy."""
     first = modules[0].weight
     # ordinary tensors even when called under inference mode: the modules' weights become views of this one,
     # and an inference tensor there breaks the model once it is moved or cast (then used outside that mode)

@@ -1,7 +1,8 @@
-"""Logit processors in upstream ChatTTS order: temperature -> repetition penalty -> top-p -> top-k -> EOS mask.
+"""Upstream ChatTTS's logit processors, in its order: temperature -> repetition penalty -> top-p -> top-k -> EOS
+mask. The reference decode (``reference.py``) samples through them, and the engine's chain
+(``kernels.sampling``) is tested against them row by row.
 
-Each is a pure function over a [N, V] float32 matrix (N = batch x codebooks in audio mode, batch in text mode),
-so the reference loop and the engine's sampler share one definition of the maths.
+Each is a pure function over a [N, V] float32 matrix (N = batch x codebooks in audio mode, batch in text mode).
 """
 
 from __future__ import annotations
@@ -9,22 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-MIN_TOKENS_TO_KEEP = 3
-"""Upstream keeps at least three candidates through top-p and top-k."""
-PENALTY_WINDOW = 16
-"""Upstream penalises repeats among the last 16 generated tokens of each row."""
-
-# Bounds on the settings, from what float32 logits can represent. Past them sampling is not sampling any more:
-# below MIN_TEMPERATURE it is already greedy (an id trailing the best by 1e-3 gets exp(-100) of its mass,
-# float32's subnormal range) and a smaller temperature only pushes logits / temperature towards inf and NaN
-# (1e-50 is 0 in float32); above MAX_TEMPERATURE a trained head's logit gaps (tens at most) shrink below 0.3,
-# so every id is about equally likely: noise. The penalty's alpha = penalty**count over a window of up to 64
-# ids stays a normal float32 for penalty >= 0.5 (0.5**64 = 5e-20; 1e-30 underflows to 0, a positive logit
-# divided by it is inf and the softmax NaN); at 10 one repeat already divides a logit tenfold, a ban in effect.
-MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 100.0
-MIN_PENALTY, MAX_PENALTY = 0.5, 10.0
-MAX_COUNT = 2**31 - 1
-"""Largest token count (``max_new_token``, ``top_k``) a setting may hold: the sampler's tensors hold it."""
+from .limits import MIN_TOKENS_TO_KEEP, PENALTY_WINDOW
 
 
 def repetition_penalty(

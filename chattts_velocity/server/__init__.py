@@ -1,12 +1,17 @@
-"""The OpenAI-compatible speech server (``chattts-velocity serve``; needs ``pip install "chattts-velocity[server]"``)."""
+"""The OpenAI-compatible speech server (``chattts-velocity serve``; needs ``pip install "chattts-velocity[server]"``):
+``build_app`` over an ``EngineClient`` (``app.py``), launched in one of its topologies by ``run.launch`` as
+``ServeSettings`` say (``settings.py``)."""
 
-from .config import ServerConfig
+from __future__ import annotations
 
-__all__ = ["ServerConfig", "build_app"]
+from .settings import ScaleConfig, ServerConfig, ServeSettings
+
+__all__ = ["ScaleConfig", "ServeSettings", "ServerConfig", "build_app"]
 
 
-def build_app(chat, config: ServerConfig | None = None, cluster=None):
-    """The FastAPI app over a loaded ``Chat`` (imported lazily: FastAPI is an optional dependency)."""
-    from .app import build_app as build
+def __getattr__(name: str):
+    if name == "build_app":  # FastAPI is an optional dependency: imported when asked for
+        from .app import build_app
 
-    return build(chat, config, cluster)
+        return build_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,8 +51,8 @@ _CODECS: dict[str, _Codec] = {
     # MPEG frames can be cut and concatenated anywhere.
     "mp3": _Codec("mp3", "libmp3lame", 64_000, {"id3v2_version": "0"}),
     # Opus is near-transparent for speech at 32 kb/s and takes 24 kHz natively. The Ogg muxer holds packets
-    # until a page lasts page_duration (default 1 s, which held back a whole 1.5 s clip): 100 ms pages cost
-    # ~4% of 32 kb/s and bound the added latency.
+    # until a page lasts page_duration (default 1 s, which can hold back a whole short clip): 100 ms pages cost
+    # little in page headers and bound the added latency.
     "opus": _Codec("ogg", "libopus", 32_000, {"page_duration": "100000"}),
     # FFmpeg's native AAC-LC at 64 kb/s, in ADTS: self-framed, so it needs no seekable container.
     "aac": _Codec("adts", "aac", 64_000, {}),

@@ -1,17 +1,22 @@
 """What the Ray Serve replicas of one speech server share (``scale.py``): two small actors, registered voices
-(``VoiceStore``) and every replica's latest metrics (``MetricsBoard``), and each replica's ``ReplicaLink`` to them,
-which ``build_app`` takes as its ``cluster``."""
+(``VoiceStore``) and every replica's latest metrics (``MetricsBoard``); each replica's ``ReplicaLink`` to them;
+and ``ReplicaClient``, the replica's engine client with the two plugged in, so that the app over it is the
+one-process server's."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import ray
+from prometheus_client import Metric
 from ray import serve
 
-from .metrics import Metrics, render_replicas
+from ..engine import EngineStats
+from ..serving.local import LocalClient
+from .metrics import Metrics, labelled
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
 
@@ -93,8 +98,8 @@ class _StoreVoices:
 
 
 class ReplicaLink:
-    """What ``build_app`` needs of the other replicas (its ``cluster``): the shared ``voices``, and
-    ``render_metrics`` of every replica. A thread reports this replica's metrics every ``period_s``."""
+    """A replica's link to the others: the shared ``voices`` (``VoiceRegistry``'s ``SharedVoices``), and their
+    latest metrics (``peers``). A thread reports this replica's metrics every ``period_s``."""
 
     def __init__(self, replica: str, period_s: float):
         self.replica, self.period_s = replica, period_s
@@ -102,20 +107,21 @@ class ReplicaLink:
         self.board = _Shared("metrics")
         self._stop = threading.Event()
 
-    def start_reporting(self, metrics: Metrics) -> None:
-        threading.Thread(target=self._report, args=(metrics,), name="metrics-report", daemon=True).start()
+    def start_reporting(self, metrics: Metrics, stats: Callable[[], EngineStats]) -> None:
+        """Report ``metrics`` (with the engine's ``stats()``) every period, from a thread of its own."""
+        threading.Thread(target=self._report, args=(metrics, stats), name="metrics-report", daemon=True).start()
 
-    def _report(self, metrics: Metrics) -> None:
+    def _report(self, metrics: Metrics, stats: Callable[[], EngineStats]) -> None:
         while not self._stop.wait(self.period_s):
             try:
-                self.board.call("report", self.replica, metrics.collect())
+                self.board.call("report", self.replica, metrics.collect(stats()))
             except Exception as e:  # noqa: BLE001 - the board is being recreated: report next period
                 logger.warning("metrics report failed: %s", e)
 
-    async def render_metrics(self, metrics: Metrics) -> tuple[bytes, str]:
+    async def peers(self) -> list[list[Metric]]:
+        """Every other replica's latest families, each series labelled with its replica."""
         families = await self.board.acall("snapshot")
-        families[self.replica] = metrics.collect()  # this replica's own series as of now
-        return render_replicas(families)
+        return [labelled(f, {"replica": r}) for r, f in sorted(families.items()) if r != self.replica]
 
     def stop(self) -> None:
         """Stop reporting and take this replica's series off the board (not waited for: the replica is
@@ -125,3 +131,20 @@ class ReplicaLink:
             self.board.send("forget", self.replica)
         except Exception as e:  # noqa: BLE001
             logger.warning("could not remove this replica's metrics: %s", e)
+
+
+class ReplicaClient(LocalClient):
+    """A replica's ``LocalClient`` over the ``Chat`` it owns, with the cluster plugged in: the voices it
+    registers go to the shared store too (and other replicas' are found there), and ``peer_metrics`` are the
+    other replicas' series. ``close`` stops the link and unloads the model."""
+
+    def __init__(self, chat, link: ReplicaLink, voices_dir: str | None = None):
+        super().__init__(chat, voices_dir, shared_voices=link.voices, owns_chat=True)
+        self.link = link
+
+    async def peer_metrics(self) -> list[list[Metric]]:
+        return await self.link.peers()
+
+    def close(self) -> None:
+        self.link.stop()
+        super().close()

@@ -1,7 +1,8 @@
 """Prometheus metrics of the speech server (``GET /metrics``): requests by route and status, the admission
-queue, the engine's load (sequences waiting and running, KV blocks in use, preemptions, tokens) read from its
-stats at scrape time, and histograms of time to first audio and real-time factor. Under Ray Serve
-(``scale.py``) each replica's families are gathered and ``render_replicas`` renders them all, labelled by replica."""
+queue, the engine's load (sequences waiting and running, KV blocks in use, preemptions, tokens) from its stats at
+scrape time, and histograms of time to first audio and real-time factor. A front of a shared engine (``serve
+--fronts``) adds the other fronts' request series to its own; a Ray Serve replica labels its series with its
+replica and shows every other replica's beside them (``cluster.py``)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ _GC_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2)
 
 
 class Metrics:
-    def __init__(self, engine, admission):
-        self.engine, self.admission = engine, admission
+    def __init__(self, admission, labels: dict[str, str] | None = None):
+        """``admission``: the server's ``Admission`` (its counts are gauges); ``labels``: put on every series
+        this server renders (a replica's ``replica``), so that another server's series stay apart from them."""
+        self.admission, self.labels = admission, labels or {}
         r = self.registry = CollectorRegistry()
         self.requests = Counter("chattts_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
@@ -35,8 +38,7 @@ class Metrics:
         self.ttfa = Histogram("chattts_time_to_first_audio_seconds", "request start to first audio", registry=r,
                               buckets=_TTFA_BUCKETS)
         self.prepare = Histogram("chattts_prepare_seconds", "a speech request's preparation (text, voice, "
-                                 "tokens, validation: what the response headers wait for; with --engine-process a "
-                                 "refine request's round trip to the engine process)", registry=r, buckets=_PREPARE_BUCKETS)
+                                 "tokens, validation, a refine pass: what the response headers wait for)", registry=r, buckets=_PREPARE_BUCKETS)
         self.rtf = Histogram("chattts_real_time_factor", "seconds of audio per second of wall time", registry=r,
                              buckets=_RTF_BUCKETS)
         self.gc_pause = Histogram("chattts_gc_pause_seconds", "Python garbage collections (the process stands "
@@ -53,27 +55,27 @@ class Metrics:
         if wall_s > 0 and audio_s > 0:
             self.rtf.observe(audio_s / wall_s)
 
-    def render(self, others: list[list[Metric]] = ()) -> tuple[bytes, str]:
-        """The exposition; ``others``: other fronts' ``own()`` families, added to this one's series (``serve
-        --fronts``: every front serves requests, and any one of them answers ``/metrics``)."""
-        self.refresh()
-        if not others:
+    def render(self, stats, peers: list[list[Metric]] = ()) -> tuple[bytes, str]:
+        """The exposition, with the engine's ``stats`` (``EngineStats``). ``peers``: other servers' families
+        (``EngineClient.peer_metrics``), added to this one's series: summed where they match (other fronts'
+        ``own``), beside them where their labels differ (other replicas')."""
+        self.refresh(stats)
+        if not peers and not self.labels:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
-        return _expose(_Summed(list(self.registry.collect()), others))
+        return _expose(_Summed(labelled(list(self.registry.collect()), self.labels), peers))
 
     def own(self) -> list[Metric]:
-        """This process's request counters and histograms (not the gauges: the engine's and the admission's
-        are the same from every front)."""
+        """This server's request counters and histograms (not the gauges: the engine's and the admission's
+        are the same from every front of one engine)."""
         return [family for family in self.registry.collect() if family.type in ("counter", "histogram")]
 
-    def collect(self) -> list[Metric]:
-        """Every family, refreshed now (what a replica reports to the others)."""
-        self.refresh()
+    def collect(self, stats) -> list[Metric]:
+        """Every family, with the engine's ``stats`` (what a replica reports to the others)."""
+        self.refresh(stats)
         return list(self.registry.collect())
 
-    def refresh(self) -> None:
-        """Set the gauges from the admission counts and the engine's latest stats."""
-        stats = self.engine.stats().engine
+    def refresh(self, stats) -> None:
+        """Set the gauges from the admission counts and the engine's ``stats``."""
         self.queue.set(self.admission.waiting)
         self.running.set(self.admission.running)
         self.seqs_waiting.set(stats.num_waiting)
@@ -101,8 +103,8 @@ def _watch_gc(metrics: Metrics) -> None:
 
 
 class _Summed:
-    """Families with other fronts' samples (``Metrics.own``: counters and histograms) added in (a ``_created``
-    sample: the earliest)."""
+    """Families with other servers' samples added in: a sample of the same name and labels is summed (a
+    ``_created`` sample: the earliest), any other joins its family."""
 
     def __init__(self, families: list[Metric], others: list[list[Metric]]):
         self.families, self.others = families, others
@@ -131,25 +133,16 @@ class _Summed:
             yield summed
 
 
-class _Replicas:
-    """A collector of several replicas' families: one family per name, each sample labelled ``replica``."""
-
-    def __init__(self, families_by_replica: dict[str, list[Metric]]):
-        self.families_by_replica = families_by_replica
-
-    def collect(self):
-        merged: dict[str, Metric] = {}
-        for replica, families in sorted(self.families_by_replica.items()):
-            for family in families:
-                into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
-                                                             family.unit))
-                into.samples += [s._replace(labels={**s.labels, "replica": replica}) for s in family.samples]
-        yield from merged.values()
-
-
-def render_replicas(families_by_replica: dict[str, list[Metric]]) -> tuple[bytes, str]:
-    """One exposition of several replicas' ``Metrics.collect()``, every series labelled with its replica."""
-    return _expose(_Replicas(families_by_replica))
+def labelled(families: list[Metric], labels: dict[str, str]) -> list[Metric]:
+    """``families`` with ``labels`` on every sample."""
+    if not labels:
+        return families
+    out = []
+    for family in families:
+        copy = Metric(family.name, family.documentation, family.type, family.unit)
+        copy.samples = [s._replace(labels={**s.labels, **labels}) for s in family.samples]
+        out.append(copy)
+    return out
 
 
 def _expose(collector) -> tuple[bytes, str]:

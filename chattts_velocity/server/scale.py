@@ -2,30 +2,30 @@
 (``chattts-velocity serve --replicas N``, or ``serve run chattts_velocity.server.scale:app_builder model=DIR
 replicas=2``; needs ``pip install "chattts-velocity[scale]"``).
 
-Each replica is the whole single-process server, ``build_app`` over its own ``Chat``, so the routes, schema,
-errors, streaming and SSE are the same. Serve's HTTP proxy (no GPU) sends each request to a replica with few
-ongoing requests, streams the body back as it is produced, and cancels the replica's request when the client
-goes away (the body's ``finally`` aborts its engine requests, freeing their blocks). Two small actors shared by
-the replicas (``cluster.py``; Serve deployment actors, living as long as the deployment) hold what every replica
-must see: registered voices and every replica's latest metrics.
+Each replica is the whole one-process server, ``build_app`` over a ``ReplicaClient`` of its own ``Chat``, so the
+routes, schema, errors, streaming and SSE are the same. Serve's HTTP proxy (no GPU) sends each request to a
+replica with few ongoing requests, streams the body back as it is produced, and cancels the replica's request
+when the client goes away (the body's ``finally`` aborts its engine requests, freeing their blocks). Two small
+actors shared by the replicas (``cluster.py``; Serve deployment actors, living as long as the deployment) hold
+what every replica must see: registered voices and every replica's latest metrics.
 
-Ray is imported by this module only: the rest of the package works without it."""
+Ray is imported by this module and ``cluster.py`` only: the rest of the package works without it."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import ray
 from ray import serve
 from ray.serve.config import BackpressureConfig, DeploymentActorConfig
 
+from ..serving.load import load_chat
 from .app import build_app
-from .cluster import MetricsBoard, ReplicaLink, VoiceStore
-from .config import ServerConfig
-from .run import warm_up
+from .cluster import MetricsBoard, ReplicaClient, ReplicaLink, VoiceStore
+from .settings import ScaleConfig, ServerConfig, ServeSettings, parse_options
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
 
@@ -36,57 +36,6 @@ HEADROOM = 4
 """Requests a replica takes beyond its ``max_concurrent`` running slots: Serve counts every request as
 ongoing, so without them ``/metrics``, ``/health`` and voice requests would wait behind a full replica's
 speech streams. Speech requests among them wait in the replica's own queue."""
-
-
-@dataclass(frozen=True)
-class ScaleConfig:
-    """How many engine replicas run, where, and how Serve routes to them."""
-
-    replicas: int = 1
-    """Replicas when not autoscaling."""
-    min_replicas: int | None = None
-    """With ``max_replicas``: autoscale between the two on ongoing requests."""
-    max_replicas: int | None = None
-    """With ``min_replicas``: the most replicas autoscaling starts."""
-    target_ongoing_requests: float | None = None
-    """Autoscaling target per replica (default: 3/4 of the server's ``max_concurrent`` running slots)."""
-    gpus_per_replica: float = 1.0
-    """GPUs each replica reserves (0: CPU replicas)."""
-    cpus_per_replica: float = 1.0
-    """CPUs each replica reserves (Ray also gives torch that many threads)."""
-    ray_address: str | None = None
-    """An existing Ray cluster to join (``ray start --head`` printed it); None: start a local instance."""
-    host: str = "127.0.0.1"
-    """Where Serve's HTTP proxy listens (every node that runs one)."""
-    port: int = 8000
-    """The proxy's port."""
-    health_check_period_s: float = 5.0
-    """How often Serve calls each replica's ``check_health``."""
-    stall_s: float = 60.0
-    """A replica whose engine has had work this long without finishing a step fails its health check, and
-    Serve replaces it."""
-    metrics_period_s: float = 1.0
-    """How often each replica reports its metrics to the others."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
-        if (self.min_replicas is None) != (self.max_replicas is None):
-            raise ValueError("give both min_replicas and max_replicas to autoscale, or neither")
-        if self.autoscaling and not 1 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"need 1 <= min_replicas <= max_replicas, got {self.min_replicas} and {self.max_replicas} "
-                             "(a replica takes tens of seconds to load and warm up: none should wait on that)")
-        if self.target_ongoing_requests is not None and not self.target_ongoing_requests > 0:
-            raise ValueError(f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests!r}")
-        if not self.gpus_per_replica >= 0 or not self.cpus_per_replica >= 0:
-            raise ValueError("gpus_per_replica and cpus_per_replica must be >= 0")
-        for name in ("health_check_period_s", "stall_s", "metrics_period_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-
-    @property
-    def autoscaling(self) -> bool:
-        return self.min_replicas is not None
 
 
 class _ReplicaHeader:
@@ -108,22 +57,6 @@ class _ReplicaHeader:
         await self.app(scope, receive, named)
 
 
-def load_chat(load: dict):
-    """``Chat.load(**load)`` on this replica's device: Ray shows a replica only its own GPU, as ``cuda``.
-    Unset ``device``/``engine_dtype`` are chosen here, where the GPU is (as ``chattts-velocity serve`` does)."""
-    import torch
-
-    from ..chat import Chat
-
-    device = load.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = load.get("engine_dtype") or ("float16" if device.startswith("cuda") else "float32")
-    chat = Chat()
-    chat.load(**{**load, "device": device, "engine_dtype": dtype})
-    if chat.device.type == "cuda":
-        warm_up(chat)
-    return chat
-
-
 @serve.deployment(name="SpeechServer")
 @serve.ingress()
 class SpeechReplica:
@@ -132,25 +65,26 @@ class SpeechReplica:
     def __init__(self, server: ServerConfig, load: dict, stall_s: float, metrics_period_s: float):
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.server, self.stall_s = server, stall_s
-        self.chat = load_chat(load)
-        self.link = ReplicaLink(self.replica, metrics_period_s)
+        # Ray shows a replica only its own GPU, as ``cuda``: an unset device and dtype are chosen here
+        chat = load_chat(load, audio_round_ms=server.audio_round_ms)
+        self.client = ReplicaClient(chat, ReplicaLink(self.replica, metrics_period_s), server.voices_dir)
 
     def __serve_build_asgi_app__(self):
-        app = build_app(self.chat, self.server, cluster=self.link)
-        self.link.start_reporting(app.state.speech.metrics)
+        app = build_app(self.client, self.server, metric_labels={"replica": self.replica})
+        engine = self.client.chat.engine
+        self.client.link.start_reporting(app.state.speech.metrics, lambda: engine.stats().engine)
         app.add_middleware(_ReplicaHeader, replica=self.replica)
         return app
 
     def check_health(self) -> None:
         """Serve calls this every ``health_check_period_s``; raising marks the replica for replacement."""
-        self.chat.engine.check_health(self.stall_s)
+        self.client.chat.engine.check_health(self.stall_s)
 
     def __del__(self) -> None:
         """After Serve drained the replica (``graceful_shutdown_timeout_s``): stop the engine."""
-        if getattr(self, "chat", None) is not None:
-            self.link.stop()
-            self.chat.unload()
-            self.chat = None
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+            self.client = None
             logger.info("replica %s stopped: its engine is shut down", self.replica)
 
 
@@ -187,17 +121,8 @@ def app_builder(args: dict[str, str]):
     """``serve run chattts_velocity.server.scale:app_builder model=DIR replicas=2 max_concurrent=128``: the
     options of ``chattts-velocity serve`` as key=value (a flag as ``dummy=true``). ``serve run`` itself sets
     the cluster, host and port."""
-    from ..cli import serve_settings
-
-    argv = []
-    for key, value in args.items():
-        flag, value = "--" + key.replace("_", "-"), str(value)
-        if value.lower() in ("true", "false"):
-            argv += [flag] if value.lower() == "true" else []
-        else:
-            argv += [flag, value]
-    scale, server, load = serve_settings(argv)
-    return application(scale, server, load)
+    settings = ServeSettings.from_options(parse_options(args), replicas=True)
+    return application(settings.scale, settings.server, settings.load)
 
 
 class _Stop(Exception):
@@ -208,20 +133,21 @@ def _raise_stop(*_) -> None:
     raise _Stop
 
 
-def run(scale: ScaleConfig, server: ServerConfig, load: dict) -> int:
-    """Deploy on ``scale.ray_address`` (or a new local Ray instance) and serve until SIGTERM/SIGINT; then
-    delete the application (each replica finishes its requests, up to ``shutdown_timeout_s``; a second
-    signal cuts that short) and return 0."""
+def run(settings: ServeSettings) -> int:
+    """Deploy ``settings.scale``'s replicas on its Ray cluster (or a new local Ray instance) and serve until
+    SIGTERM/SIGINT; then delete the application (each replica finishes its requests, up to
+    ``shutdown_timeout_s``; a second signal cuts that short) and return 0."""
+    scale, server = settings.scale, settings.server
     ray.init(address=scale.ray_address)
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
         signal.signal(sig, _raise_stop)
     try:
         try:
-            serve.start(http_options={"host": scale.host, "port": scale.port,
+            serve.start(http_options={"host": settings.host, "port": settings.port,
                                       "keep_alive_timeout_s": server.keep_alive_s})
-            serve.run(application(scale, server, load), name=APP_NAME, route_prefix="/")
+            serve.run(application(scale, server, settings.load), name=APP_NAME, route_prefix="/")
             count = f"{scale.min_replicas}-{scale.max_replicas}" if scale.autoscaling else str(scale.replicas)
-            print(f"serving on http://{scale.host}:{scale.port} with {count} replicas (Ray Serve)", flush=True)
+            print(f"serving on http://{settings.host}:{settings.port} with {count} replicas (Ray Serve)", flush=True)
             while True:
                 time.sleep(3600)
         except _Stop:

@@ -86,9 +86,15 @@ class EngineClient(ABC):
         ``/metrics`` that sums them; none by default."""
         return []
 
+    def share_metrics(self, own: Callable[[], list]) -> None:
+        """Have ``own()`` (this front's ``Metrics.own`` families) answer the other fronts' ``peer_metrics``;
+        nothing to do where no other front shares the engine."""
+        return None
+
     def health(self) -> str | None:
         """None while the engine serves; else why it does not."""
         return None
 
     def close(self) -> None:
         """Stop using the engine (a client that owns it stops it)."""
+        return None

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..params import InferCodeParams, RefineTextParams
+from ..text import decode_speaker
 
 FORMATS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"),
            "ogg": ("OGG", "VORBIS")}
@@ -69,8 +70,6 @@ class SynthConfig:
         if self.concurrency is not None and (not isinstance(self.concurrency, int) or self.concurrency < 1):
             raise ValueError(f"concurrency must be an int >= 1, got {self.concurrency!r}")
         if self.speaker is not None:
-            from ..text import decode_speaker
-
             decode_speaker(self.speaker)
         self.line_params(Line(0, "", ""))[0].validate()
 
@@ -213,8 +212,6 @@ def _parse(lineno: int, item, jsonl: bool, config: SynthConfig) -> Line | None:
     code, _ = config.line_params(line)
     code.validate()
     if options.get("speaker") is not None:
-        from ..text import decode_speaker
-
         decode_speaker(options["speaker"])
     return line
 

@@ -12,7 +12,8 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 
-from ..config import SAMPLE_RATE
+from ..constants import SAMPLE_RATE
+from ..text import speaker_vector
 from .plan import (
     ERRORS,
     FORMATS,
@@ -61,7 +62,7 @@ def _run_lines(chat, lines: list[Line], config: SynthConfig, speaker: str | None
                on_line: OnLine | None) -> None:
     """Every line through ``concurrency`` worker threads; each outcome is recorded as it comes. On any
     exception here (Ctrl-C included) the lines in flight are stopped first, and those already written kept."""
-    workers = config.concurrency or 2 * chat.engine.engine.config.max_num_seqs
+    workers = config.concurrency or 2 * chat.engine.config.max_num_seqs
     pool = ThreadPoolExecutor(min(workers, len(lines)), thread_name_prefix="synth")
     stop = threading.Event()
     futures = [pool.submit(_speak, chat, config, line, speaker, stop) for line in lines]
@@ -85,8 +86,6 @@ def _run_lines(chat, lines: list[Line], config: SynthConfig, speaker: str | None
 
 def _run_speaker(chat, config: SynthConfig, job: Plan) -> str | None:
     """The run's speaker, checked against the model before any work."""
-    from ..text import speaker_vector
-
     speaker = config.speaker
     if config.random_speaker:
         speaker = job.random_speaker or chat.sample_random_speaker()

@@ -50,7 +50,7 @@ def prepare_texts(text, split: bool, lang: str | None, normalize: Callable[[str]
     if split:
         # a token covers at least one character (a WordPiece, [UNK] or a special token), so a text of at most
         # max_tokens characters is not counted: each count is a tokenizer call, which lets go of the GIL and
-        # waits to take it back on a busy server (`benchmarks/prepare_gil.py`)
+        # waits to take it back on a busy server (docs/perf/)
         normalised = [piece for t in normalised
                       for piece in (split_long(t, count_tokens, max_tokens) if len(t) > max_tokens else [t])]
     return normalised

@@ -26,7 +26,7 @@ _LZMA = {"format": lzma.FORMAT_RAW, "filters": [{"id": lzma.FILTER_LZMA2, "prese
 # base16384: 4 characters in U+4E00..U+8DFF per 7 bytes, then a marker U+3D01..U+3D06 for a short tail.
 # pybase16384 decodes any other character to garbage without complaint, hence the check.
 _BASE16384 = re.compile(r"[\u4e00-\u8dff]*[\u3d01-\u3d06]?")
-# Caps on what a string may inflate to: LZMA shrinks runs of zeros ~1000x, so a short string could
+# Caps on what a string may inflate to: LZMA shrinks runs of zeros by orders of magnitude, so a short string could
 # otherwise expand to gigabytes. Real speakers have a few hundred dims, voice samples a few thousand frames.
 _MAX_SPEAKER_DIM = 1 << 16
 _MAX_PROMPT_CODES = 1 << 22
@@ -190,12 +190,10 @@ def speaker_vector(spk: str | torch.Tensor, dim: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=256)
 def _string_speaker(spk: str, dim: int) -> torch.Tensor:
     """``speaker_vector`` of a string, kept (errors are not: a bad string raises every time). Each torch call
-    lets go of the GIL and waits to take it back, so under a busy server the ~15 calls of this decode cost a
-    request more than the work. With this cache and the prompt check on Python lists
-    (`LLMEngine._check_prompt`), `python benchmarks/prepare_gil.py` (2-core CPU, two runs each, alternating)
-    timed a server request's preparation at 0.43 ms alone and 76-97 ms beside a thread busy in Python,
-    against 0.64 ms and 304-310 ms before; with the copy out through numpy and the rest of the preparation's
-    torch calls gone too, 0.36 and 11.5 ms."""
+    lets go of the GIL and waits to take it back, so under a busy server the dozen or so calls of this decode
+    cost a request more than the work. This cache, the prompt check on Python lists
+    (``engine.validation.check_prompt``) and the numpy copies cut a request's preparation beside a thread busy
+    in Python many times over (docs/perf/)."""
     return _unit(decode_speaker(spk, dim), _SPEAKER)
 
 

@@ -59,7 +59,7 @@ class Tokenizer:
                 )
             prompt_len = prompt.size(1)
         # built in numpy and wrapped once: each torch op lets go of the GIL and must take it back, which beside
-        # a busy engine thread costs up to a switch interval (5 ms) an op (`benchmarks/prepare_gil.py`)
+        # a busy engine thread costs up to a switch interval an op (docs/perf/)
         rows = [self.ids(t) for t in text]
         width = max((len(r) for r in rows), default=0) + prompt_len
         ids = np.zeros((len(rows), width, num_vq), dtype=np.int64)

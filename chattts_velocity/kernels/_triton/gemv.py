@@ -123,8 +123,8 @@ def gemv_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: floa
 
 def default_config(n: int, k: int, gated: bool, rope: bool, cuda: bool) -> tuple[int, int]:
     """(BLOCK_N, num_warps): a few hundred programs for every projection of the model. The CUDA picks are the
-    fastest of a sweep on an H100 under programmatic dependent launch (`benchmarks/kernel_probe.py --parts
-    gemv`): q/k/v 2.92, o 1.39, gate/up 4.11 and down 2.51 us, against 7.6-8.0 us for the skinny GEMM."""
+    fastest of a sweep under programmatic dependent launch, each well ahead of the skinny GEMM
+    (`benchmarks/kernel_probe.py --parts gemv`; docs/perf/)."""
     if not cuda:  # the interpreter: small tiles so tiny test shapes still cross several of them
         return 4, 1
     if gated or rope:

@@ -10,7 +10,7 @@ from ._launch import num_warps_for
 
 
 @triton.jit
-def _copy_heads(src_ptr, stride_head, dst_ptr, num_heads, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr):
+def copy_heads(src_ptr, stride_head, dst_ptr, num_heads, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr):
     """Copy ``num_heads`` heads of HEAD_DIM values, ``stride_head`` apart at src, to contiguous heads at dst."""
     heads = tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
     dims = tl.arange(0, HEAD_DIM)[None, :]  # [1, D]
@@ -26,9 +26,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_stride_
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
         cache_off = slot * num_heads * HEAD_DIM
-        _copy_heads(k_ptr + tok * k_stride_tok, k_stride_head, k_cache_ptr + cache_off, num_heads, HEAD_DIM,
+        copy_heads(k_ptr + tok * k_stride_tok, k_stride_head, k_cache_ptr + cache_off, num_heads, HEAD_DIM,
                     HEADS)
-        _copy_heads(v_ptr + tok * v_stride_tok, v_stride_head, v_cache_ptr + cache_off, num_heads, HEAD_DIM,
+        copy_heads(v_ptr + tok * v_stride_tok, v_stride_head, v_cache_ptr + cache_off, num_heads, HEAD_DIM,
                     HEADS)
 
 

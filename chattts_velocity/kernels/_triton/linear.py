@@ -97,8 +97,9 @@ def fused_linear_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None, e
 
 
 def _default_config(n: int, gated: bool, dtype: torch.dtype, cuda: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps). The CUDA picks are the fastest of a sweep on an H100 at M = 1 and 16
-    (`benchmarks/kernel_probe.py`): narrow column blocks for the narrow outputs (o, down), so more programs."""
+    """(BLOCK_N, BLOCK_K, num_warps). The CUDA picks are the fastest of a sweep at M = 1 and 16
+    (`benchmarks/kernel_probe.py`; docs/perf/): narrow column blocks for the narrow outputs (o, down), so more
+    programs."""
     if not cuda:  # the interpreter: small tiles so tiny test shapes still cross several of them
         return 16, 16, 1
     if dtype == torch.float32:  # 4-byte tiles: the 16-bit picks would overflow shared memory

@@ -10,7 +10,7 @@ from ._launch import num_warps_for
 
 
 @triton.jit
-def _load_cos_sin(pos_ptr, tok, cache_ptr, HALF: tl.constexpr):
+def load_cos_sin(pos_ptr, tok, cache_ptr, HALF: tl.constexpr):
     """cos and sin [1, D/2] of token ``tok``'s position."""
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     cols = tl.arange(0, HALF)
@@ -20,16 +20,16 @@ def _load_cos_sin(pos_ptr, tok, cache_ptr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _head_halves(x_ptr, stride_head, num_heads, HALF: tl.constexpr, HEADS: tl.constexpr):
+def head_halves(x_ptr, stride_head, num_heads, HALF: tl.constexpr, HEADS: tl.constexpr):
     """Pointers [HEADS, D/2] to the first half of each head (the second half is HALF further), live-head mask."""
     heads = tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
     return x_ptr + heads * stride_head + tl.arange(0, HALF)[None, :], heads < num_heads
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin, HALF: tl.constexpr, HEADS: tl.constexpr):
+def rotate_heads(x_ptr, stride_head, num_heads, cos, sin, HALF: tl.constexpr, HEADS: tl.constexpr):
     """Rotate the heads at x_ptr in place; returns the rotated halves, each [HEADS, D/2] in x's dtype."""
-    ptrs, mask = _head_halves(x_ptr, stride_head, num_heads, HALF, HEADS)
+    ptrs, mask = head_halves(x_ptr, stride_head, num_heads, HALF, HEADS)
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
     y1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
@@ -44,9 +44,9 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, q_stride_tok, q_stride_head
                    num_q_heads, num_k_heads, HALF: tl.constexpr, Q_HEADS: tl.constexpr,
                    K_HEADS: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
-    cos, sin = _load_cos_sin(pos_ptr, tok, cache_ptr, HALF)
-    _rotate_heads(q_ptr + tok * q_stride_tok, q_stride_head, num_q_heads, cos, sin, HALF, Q_HEADS)
-    _rotate_heads(k_ptr + tok * k_stride_tok, k_stride_head, num_k_heads, cos, sin, HALF, K_HEADS)
+    cos, sin = load_cos_sin(pos_ptr, tok, cache_ptr, HALF)
+    rotate_heads(q_ptr + tok * q_stride_tok, q_stride_head, num_q_heads, cos, sin, HALF, Q_HEADS)
+    rotate_heads(k_ptr + tok * k_stride_tok, k_stride_head, num_k_heads, cos, sin, HALF, K_HEADS)
 
 
 def apply_rotary_triton(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> None:

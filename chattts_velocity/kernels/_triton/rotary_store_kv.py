@@ -8,8 +8,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ._launch import num_warps_for
-from .kv_cache import _copy_heads
-from .rotary import _head_halves, _load_cos_sin, _rotate_heads
+from .kv_cache import copy_heads
+from .rotary import head_halves, load_cos_sin, rotate_heads
 
 
 @triton.jit
@@ -18,16 +18,16 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_p
                             v_stride_head, num_q_heads, num_k_heads, HALF: tl.constexpr,
                             Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
-    cos, sin = _load_cos_sin(pos_ptr, tok, cos_sin_ptr, HALF)
-    _rotate_heads(q_ptr + tok * q_stride_tok, q_stride_head, num_q_heads, cos, sin, HALF, Q_HEADS)
-    k1, k2 = _rotate_heads(k_ptr + tok * k_stride_tok, k_stride_head, num_k_heads, cos, sin, HALF, K_HEADS)
+    cos, sin = load_cos_sin(pos_ptr, tok, cos_sin_ptr, HALF)
+    rotate_heads(q_ptr + tok * q_stride_tok, q_stride_head, num_q_heads, cos, sin, HALF, Q_HEADS)
+    k1, k2 = rotate_heads(k_ptr + tok * k_stride_tok, k_stride_head, num_k_heads, cos, sin, HALF, K_HEADS)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
         cache_off = slot * num_k_heads * (2 * HALF)
-        ptrs, mask = _head_halves(k_cache_ptr + cache_off, 2 * HALF, num_k_heads, HALF, K_HEADS)
+        ptrs, mask = head_halves(k_cache_ptr + cache_off, 2 * HALF, num_k_heads, HALF, K_HEADS)
         tl.store(ptrs, k1, mask=mask)
         tl.store(ptrs + HALF, k2, mask=mask)
-        _copy_heads(v_ptr + tok * v_stride_tok, v_stride_head, v_cache_ptr + cache_off, num_k_heads, 2 * HALF,
+        copy_heads(v_ptr + tok * v_stride_tok, v_stride_head, v_cache_ptr + cache_off, num_k_heads, 2 * HALF,
                     K_HEADS)
 
 

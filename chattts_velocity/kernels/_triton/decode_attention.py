@@ -2,7 +2,7 @@
 
 With several splits (flash-decoding) each program leaves an unnormalised partial result with its running max
 and sum, and a second kernel merges the splits. A batch with fewer (sequence, head) pairs than SMs needs that
-to use the whole GPU: batch 1 x 12 heads alone would keep 12 of an H100's 132 SMs busy.
+to use the whole GPU: batch 1 alone keeps only as many SMs busy as the model has heads.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from ._launch import pdl_launch, sm_count
 from .paged import kv_offsets
 
 _LOG2E = 1.4426950408889634
-# Fewer (sequence, head) pairs than this many per SM get flash-decoding splits of one tile each: on an H100 at
-# batch 1 (context 286, 12 heads) 64-token splits took 5.0 us per layer against 8.6 us for 192-token splits
-# and 10.0 us unsplit; from batch 64 up, splitting only added time (`benchmarks/kernel_probe.py`).
+# Fewer (sequence, head) pairs than this many per SM get flash-decoding splits of one tile each: at batch 1 short
+# one-tile splits beat longer splits and no split, and in large batches splitting only added time
+# (`benchmarks/kernel_probe.py`; docs/perf/).
 _PROGRAMS_PER_SM = 2
 
 
@@ -97,9 +97,8 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     # The block table's width bounds every context without reading context_lens back from the GPU.
     max_context = max(block_tables.shape[1] * block_size, 1)
-    # (tile, warps): long unsplit ranges stream best in wide tiles on one warp (H100, 12 heads of 64, context
-    # 286: 25.6 us per layer at batch 64 and 90.5 us at 256, against 32.3 and 100.7 us for 64-token tiles on
-    # 4 warps); one-tile splits keep the 64-token tile. The interpreter runs small tiles so tiny test
+    # (tile, warps): long unsplit ranges stream best in wide tiles on one warp (`benchmarks/kernel_probe.py`;
+    # docs/perf/); one-tile splits keep the 64-token tile. The interpreter runs small tiles so tiny test
     # contexts still cross several of them.
     block_n, num_warps = (64, 4) if q.is_cuda else (16, 4)
     if num_splits is None:
@@ -120,8 +119,8 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
         sums = torch.empty_like(maxes)
     else:
         partial, maxes, sums = out, out, out  # maxes and sums are unused without splits
-    # programmatic dependent launch only in a one-row step, whose linears take part too (at batch 16, between
-    # the skinny GEMMs, the early launches cost 14% a step on an H100)
+    # programmatic dependent launch only in a one-row step, whose linears take part too (in larger batches,
+    # between the skinny GEMMs, the early launches cost time: docs/perf/)
     pdl = pdl_launch(q.device if batch == 1 else False)
     _decode_kernel[(batch, num_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, maxes, sums, scale * _LOG2E, q.stride(0),

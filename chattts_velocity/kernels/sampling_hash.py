@@ -1,8 +1,8 @@
-"""Seeded categorical sampling as an exponential race: ``argmax(p / E)`` with ``E = -log U`` and U a
-counter-based hash of (seed, step, lane, id), so a row's draw depends on nothing else in the batch.
+"""The counter-based uniforms of seeded sampling: U = hash(seed, step, lane, id), a pure function of its
+counters, so a row's draw depends on nothing else in the batch.
 
-The reference builds the [R, V] uniforms with numpy; the Triton helpers (``_triton/sample.py``) compute the
-same bits, and the fused sampler (``sampling.py``) runs the race inside its one launch per step.
+The hash constants live here, once: the numpy reference below and the Triton helpers
+(``_triton/sampling.py``) both read them, so every path draws the same bits.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._dispatch import check, check_tensor, use_triton
-
 MIX1, MIX2 = 0x7FEB352D, 0x846CA68B
 """The "lowbias32" integer finaliser's multipliers."""
 COL_SALT = 0x9E3779B9
+"""Added to an id before its half of the hash."""
 U_MAX = 1.0 - 2.0**-24
 """The largest uniform: the top bucket, (2**24 - 0.5) / 2**24, rounds to 1.0 in float32, and U = 1 would give
 E = 0, so p / E = NaN for a zero probability (which torch.argmax would pick) and -inf otherwise."""
@@ -40,8 +39,8 @@ def _column_hash(vocab: int) -> np.ndarray:
 
 def counter_uniform(seed: Tensor, step: Tensor, lane: Tensor, vocab: int) -> Tensor:
     """Uniform (0, 1) numbers [R, vocab] float32 on seed's device, a pure function of (seed, step, lane,
-    column) per row. Computed with numpy on the host: a few dozen array ops instead of ~120 small torch ops
-    (the CPU engine's sampling step was dominated by them)."""
+    column) per row. Computed with numpy on the host: a few dozen array ops instead of many small torch ops,
+    which dominated the CPU engine's sampling step."""
     s, t, c = (x.detach().cpu().numpy() for x in (seed, step, lane))
     return torch.from_numpy(uniform_from_hash(row_hash(s, t, c), vocab)).to(seed.device)
 
@@ -68,21 +67,3 @@ def uniform_at(h: np.ndarray, columns: np.ndarray, vocab: int) -> np.ndarray:
 def _uniform(bits: np.ndarray) -> np.ndarray:
     u = ((bits >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / (1 << 24))
     return np.minimum(u, np.float32(U_MAX))
-
-
-def exponential_race_ref(probs: Tensor, seed: Tensor, step: Tensor, lane: Tensor) -> Tensor:
-    race = -torch.log(counter_uniform(seed, step, lane, probs.size(1)))  # Exp(1) per (row, id)
-    return torch.argmax(probs / race, dim=-1)
-
-
-def exponential_race(probs: Tensor, seed: Tensor, step: Tensor, lane: Tensor) -> Tensor:
-    """probs [R, V] float32 (rows sum to 1; zeros never win); seed/step/lane [R] int64 -> ids [R] int64."""
-    check_tensor("probs", probs, "[R, V]", 2, (torch.float32,))
-    for name, t in (("seed", seed), ("step", step), ("lane", lane)):
-        check_tensor(name, t, "[R]", 1, (torch.int64,))
-        check(t.size(0) == probs.size(0), f"{name} has {t.size(0)} rows, probs {probs.size(0)}")
-    if not use_triton(probs):
-        return exponential_race_ref(probs, seed, step, lane)
-    from ._triton.sample import exponential_race_triton
-
-    return exponential_race_triton(probs.contiguous(), seed, step, lane)

@@ -18,8 +18,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """KV blocks to allocate; None sizes the cache from ``kv_cache_gib``."""
     kv_cache_gib: float | None = None
-    """KV cache memory; None: 40% of free GPU memory on CUDA, 1 GiB on CPU (never more than
-    ``max_num_seqs`` full contexts need)."""
+    """KV cache memory; None: ``model_runner.GPU_KV_FRACTION`` of the free GPU memory on CUDA,
+    ``model_runner.CPU_KV_GIB`` on CPU (never more than ``max_num_seqs`` full contexts need)."""
     max_num_seqs: int = 64
     """Sequences decoded together (running at once)."""
     max_num_batched_tokens: int = 2048
@@ -37,10 +37,9 @@ class EngineConfig:
     (two with ``pipeline_decode``)."""
     max_window_tokens: int | None = None
     """Most tokens one decode window computes (steps x sequences): a larger batch runs shorter windows, never
-    fewer than 8 steps (``scheduler.MIN_CAPPED_STEPS``) nor more than ``num_decode_steps``. A request that arrives while a window runs waits for
-    it, so under a server's load (hundreds of sequences, a few ms a step) a 32-step window is a wait of a
-    tenth of a second or more; capping the tokens caps that wait at about the time a few thousand tokens take.
-    None: always ``num_decode_steps`` (best throughput)."""
+    fewer than ``scheduler.MIN_CAPPED_STEPS`` steps nor more than ``num_decode_steps``. A request that arrives
+    while a window runs waits for it, and under a server's load (hundreds of sequences) a full window is a long
+    wait; capping the tokens caps that wait. None: always ``num_decode_steps`` (best throughput)."""
     first_window_tokens: int = 16
     """A batch holding a sequence with fewer generated tokens than this runs a window that is just long enough
     to bring it there, so a stream's first audio (``StreamConfig.first_chunk + lookahead`` tokens, 16 by
@@ -48,9 +47,9 @@ class EngineConfig:
     prefill_first: bool | None = None
     """A step that has prompts to compute (waiting requests, a long prompt's next chunk) computes prompts only,
     and the running sequences decode in the next step (a window). Mixed into one step, a few new prompts beside
-    hundreds of decodes make a step too large for the prefill CUDA graphs: eager, and on an H100 under a
-    server's load 82-134 ms instead of a few. On CUDA such a step admits no more sequences and tokens than the
-    largest prefill graph takes. None: on CUDA only."""
+    hundreds of decodes make a step too large for the prefill CUDA graphs, so it runs eagerly and many times
+    slower (`chattts-velocity bench serve`; docs/perf/). On CUDA such a step admits no more sequences and tokens
+    than the largest prefill graph takes. None: on CUDA only."""
     pipeline_decode: bool | None = None
     """Queue the next decode window before reading the current one's tokens while the batch cannot change, so
     host work overlaps the device's. None: on CUDA only (on CPU the window runs inside the launch, so it would

@@ -54,9 +54,9 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, kv_tile, kv_end, bt_row, k_cache_ptr, 
 
 
 # Not specialised on the sequence count and the block table's width: Triton compiles a variant per value class
-# of an int argument (1, a multiple of 16, other), and these vary with the batch. Under `serve` the first burst
-# of 64 requests compiled two new variants (64 sequences) mid-step, each step taking 1.1-1.2 s
-# (`benchmarks/first_level.sh` with an empty Triton cache); neither feeds vectorised loads.
+# of an int argument (1, a multiple of 16, other), and these vary with the batch, so under `serve` a burst of
+# requests compiled new variants mid-step (with an empty Triton cache), each a step of over a second; neither
+# feeds vectorised loads.
 @triton.jit(do_not_specialize=["num_seqs", "bt_stride"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr,
                     out_ptr, qk_scale, num_seqs, q_stride_tok, q_stride_head, bt_stride, num_kv_heads, group,
@@ -120,9 +120,9 @@ def paged_prefill_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
 
 
 def _tiles(q: Tensor) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, pipeline stages). float32's exact (FMA) dot needs small tiles and 2 stages: at
-    D = 64, ptxas (sm_90) reports 96 registers for 32 x 32 x 2 stages, spills for 32 x 32 x 3 and for 64 x 64.
-    The interpreter runs small tiles so tiny test shapes still cross several of them."""
+    """(BLOCK_M, BLOCK_N, pipeline stages). float32's exact (FMA) dot needs small tiles and 2 stages: ptxas
+    spills registers for a third stage or 64-wide tiles at the model's head size. The interpreter runs small
+    tiles so tiny test shapes still cross several of them."""
     if not q.is_cuda:
         return 16, 16, 1
     return (32, 32, 2) if q.dtype == torch.float32 else (64, 64, 3)

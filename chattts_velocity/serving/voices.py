@@ -1,18 +1,25 @@
-"""Voices of the speech server: OpenAI's voice names, each a fixed built-in speaker; ChatTTS speaker strings;
-and voices registered from an uploaded sample (its DVAE codes and transcript), kept in a folder across
-restarts and, under Ray Serve, published to a store every replica reads (``scale.py``)."""
+"""Voices a request may name: OpenAI's voice names, each a fixed built-in speaker; ChatTTS speaker strings; and
+voices registered from an uploaded sample (its DVAE codes and transcript), kept in a folder across restarts and,
+under Ray Serve, published to a store every replica reads. A front without the model resolves voices from the
+speaker statistics alone; only registering needs the model's sample encoder."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
+
+from ..constants import SAMPLE_RATE
+from ..text import encode_speaker, speaker_vector
 
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse",
                  "marin", "cedar")
@@ -52,12 +59,18 @@ class VoiceRegistry:
     """Built-in, registered and inline voices. Thread-safe; registered voices are JSON files in ``folder``
     and, with ``shared``, records every other replica finds."""
 
-    def __init__(self, chat, folder: str | None = None, shared: SharedVoices | None = None):
-        self.chat = chat
+    def __init__(self, speaker_stats, hidden_size: int, folder: str | None = None, shared: SharedVoices | None = None,
+                 encode: Callable[[np.ndarray], str] | None = None):
+        """``speaker_stats``: the checkpoint's ``SpeakerStats`` (None: every built-in voice is the model's
+        default); ``hidden_size``: the model's, which an inline speaker string must match; ``encode``: a
+        24 kHz sample -> its ``spk_smp`` string (``Chat.sample_audio_speaker``), which ``register`` needs (a
+        front without the model registers through its engine and ``remember``s the result)."""
+        self.hidden_size = hidden_size
         self.folder = folder
         self.shared = shared
+        self.encode = encode
         self._lock = threading.Lock()
-        self._builtin = {name: Voice(name, name, spk_emb=self._builtin_speaker(i))
+        self._builtin = {name: Voice(name, name, spk_emb=_builtin_speaker(speaker_stats, i))
                          for i, name in enumerate(OPENAI_VOICES)}
         self._registered: dict[str, Voice] = {}
         if folder:
@@ -67,14 +80,6 @@ class VoiceRegistry:
                     with open(os.path.join(folder, file), encoding="utf-8") as f:
                         voice = Voice(**json.load(f))
                     self._registered[voice.id] = voice
-
-    def _builtin_speaker(self, seed: int) -> str | None:
-        from ..text import encode_speaker
-
-        stats = self.chat.model.speaker_stats
-        if stats is None:  # a checkpoint without speaker statistics: the default voice for all
-            return None
-        return encode_speaker(stats.sample(torch.Generator().manual_seed(seed)))
 
     def list(self) -> list[Voice]:
         with self._lock:
@@ -92,20 +97,20 @@ class VoiceRegistry:
         if found is not None:
             return found
         if len(key) > 64:  # a speaker string: decodes, or it is a malformed one
-            from ..text import speaker_vector
-
             try:
-                speaker_vector(key, self.chat.model.config.hidden_size)
+                speaker_vector(key, self.hidden_size)
             except ValueError as e:
                 raise UnknownVoiceError(f"voice is neither a known voice nor a valid speaker string: {e}") from None
             return Voice("inline", "inline", spk_emb=key)
         raise UnknownVoiceError(f"unknown voice {key!r}: GET /v1/audio/voices lists them")
 
-    def register(self, name: str, wav, transcript: str) -> Voice:
-        """A new voice from a 24 kHz mono float sample and its transcript."""
+    def register(self, name: str, wav: np.ndarray, transcript: str) -> Voice:
+        """A new voice from a 24 kHz mono float sample and its transcript, stored (folder, shared store)."""
         if not transcript.strip():
             raise ValueError("transcript is empty: give the text spoken in the sample")
-        spk_smp = self.chat.sample_audio_speaker(wav)
+        if self.encode is None:
+            raise RuntimeError("this registry has no sample encoder: register through EngineClient.register_voice")
+        spk_smp = self.encode(wav)
         voice = Voice(f"voice_{uuid.uuid4().hex[:16]}", name or "custom", spk_smp=spk_smp, txt_smp=transcript.strip())
         with self._lock:
             self._registered[voice.id] = voice
@@ -140,14 +145,15 @@ class VoiceRegistry:
                 self._registered.setdefault(voice.id, voice)
 
 
-def read_sample(data: bytes, max_seconds: float = 60.0):
+def _builtin_speaker(stats, seed: int) -> str | None:
+    if stats is None:  # a checkpoint without speaker statistics: the default voice for all
+        return None
+    return encode_speaker(stats.sample(torch.Generator().manual_seed(seed)))
+
+
+def read_sample(data: bytes, max_seconds: float = 60.0) -> np.ndarray:
     """An uploaded audio file (any format ffmpeg reads) -> 24 kHz mono float32 samples."""
-    import io
-
-    import av
-    import numpy as np
-
-    from ..config import SAMPLE_RATE
+    import av  # an optional dependency (the server's)
 
     try:
         with av.open(io.BytesIO(data)) as container:

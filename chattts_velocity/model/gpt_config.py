@@ -1,4 +1,4 @@
-"""Model configuration: every size is read from the checkpoint itself, so any consistent ChatTTS-layout
+"""``GPTConfig``: the model's sizes, every one read from the checkpoint itself, so any consistent ChatTTS-layout
 checkpoint loads (the real 768-wide model, tiny random test models, anything in between)."""
 
 from __future__ import annotations
@@ -6,23 +6,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-
-# Upstream asset layout, relative to the model folder (Hugging Face repo ``2Noise/ChatTTS``).
-ASSET_FILES = {
-    "gpt": "asset/gpt",
-    "embed": "asset/Embed.safetensors",
-    "dvae": "asset/DVAE.safetensors",
-    "decoder": "asset/Decoder.safetensors",
-    "vocos": "asset/Vocos.safetensors",
-    "tokenizer": "asset/tokenizer",
-}
-# Not in the upstream repo: random checkpoints carry their speaker statistics here (std, mean; float16).
-SPK_STAT_FILE = "asset/spk_stat.safetensors"
-HF_REPO_ID = "2Noise/ChatTTS"
-
-SAMPLE_RATE = 24000
-# One GPT token = 2 mel frames x hop 256 = 512 samples at 24 kHz.
-SAMPLES_PER_TOKEN = 512
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..kernels.sampling import WindowSampler
+from ..kernels.sampling_cpu import WindowSampler
 from ..model.llama import AttentionMetadata, LlamaCore
+from ..sampling.limits import MAX_PENALTY_WINDOW
 from .sampler import RowParams, Sampler, row_params, sample_rows
-from .sampling_params import MAX_PENALTY_WINDOW
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512
 
 
 @dataclass
-class _State:
+class _DecodeBuffers:
     """Static device buffers of the step (graph inputs and outputs), sized for the largest bucket."""
 
     tokens: Tensor  # [B, Q] int64: each row's newest token (this step's input)
@@ -77,7 +77,7 @@ class MultiStepDecoder:
             self._capture_all()
 
     # ---------------------------------------------------------------- buffers
-    def _allocate(self, batch: int, hidden: int) -> _State:
+    def _allocate(self, batch: int, hidden: int) -> _DecodeBuffers:
         dev, rows, q = self.device, batch * self.num_vq, self.num_vq
         width = -(-self.max_model_len // self.block_size)
 
@@ -89,7 +89,7 @@ class MultiStepDecoder:
             penalty=torch.ones(rows, 1, device=dev), history=zeros(rows, MAX_PENALTY_WINDOW) - 1,
             window=zeros(rows), min_new=zeros(rows), seed=zeros(rows), step=zeros(rows), lane=zeros(rows),
         )
-        return _State(tokens=zeros(batch, q), positions=zeros(batch), limit=zeros(batch),
+        return _DecodeBuffers(tokens=zeros(batch, q), positions=zeros(batch), limit=zeros(batch),
                       block_tables=zeros(batch, width, dtype=torch.int32), params=params,
                       step_out=torch.zeros((), dtype=torch.int64, device=dev), out_tokens=zeros(self.max_steps, batch, q),
                       out_hidden=torch.zeros(self.max_steps, batch, hidden, device=dev))
@@ -114,7 +114,7 @@ class MultiStepDecoder:
             tok = sample_rows(self.sampler.text_logits(hidden), p.rows(rows), self.sampler.text_eos)  # [b]
             step_tokens = tok[:, None].expand(b, q)
         else:
-            if b == 1 and hidden.is_cuda:  # the one-row GEMV (2-4 columns a program) over cuBLAS's 7 us gemv
+            if b == 1 and hidden.is_cuda:  # the one-row GEMV (a few columns a program) beats cuBLAS's gemv there
                 logits = kernels.fused_linear(hidden, self.sampler.code_head).view(q, -1)
             else:
                 logits = self.sampler.code_logits(hidden)  # [b*Q, V]

@@ -1,0 +1,356 @@
+"""The engine process's seam, both sides in this process over real pipes (``open_pipes``; an ``EngineHost`` in
+a thread, as ``benchmarks/serve_timeline.py --split`` hosts it): the typed messages and their dispatch, the
+prompts crossing as plain arrays, ``RemoteAudio`` reading like ``JoinedAudio``, every ``EngineClient`` call of
+``RemoteClient`` (what two fronts share included), cancels reaching the engine, and a dead engine failing what
+is in flight. The HTTP side of ``serve --engine-process`` is `test_server_process.py`'s."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from chattts_velocity.audio.pump import PENDING, take_ready
+from chattts_velocity.engine import EngineStats
+from chattts_velocity.params import InferCodeParams, RefineTextParams
+from chattts_velocity.serving.client import EngineGoneError, EngineInfo
+from chattts_velocity.serving.engine_process.host import EngineHost, EngineSettings
+from chattts_velocity.serving.engine_process.messages import (
+    Call,
+    EngineEnds,
+    ErrorKind,
+    Failed,
+    PromptArrays,
+    Ready,
+    Reply,
+    Start,
+    Stats,
+    open_pipes,
+)
+from chattts_velocity.serving.engine_process.remote import RemoteClient
+from chattts_velocity.serving.engine_process.remote_audio import RemoteAudio
+from chattts_velocity.serving.kit import SpeechKit
+from chattts_velocity.serving.local import LocalClient
+
+TEXT = "One sentence here. And a second one!"
+
+
+@dataclass(frozen=True)
+class Bogus:
+    """A message no side knows."""
+
+
+def code_params(kit: SpeechKit, voices, seed: int = 1, tokens: int = 40) -> InferCodeParams:
+    return InferCodeParams(spk_emb=voices.resolve("alloy").spk_emb, manual_seed=seed, max_new_token=tokens,
+                           min_new_token=tokens, show_tqdm=False)
+
+
+def read(audio, timeout: float = 60) -> tuple[np.ndarray, Exception | None]:
+    """Every sample of a non-blocking audio (``on_ready``), and the error it ended with."""
+    woken = threading.Event()
+    audio.on_ready(woken.set)
+    parts, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        woken.clear()
+        chunk, end, failure = take_ready(audio)
+        if chunk is not None and chunk is not PENDING:
+            parts.append(chunk)
+        if end:
+            return np.concatenate(parts) if parts else np.zeros(0, np.float32), failure
+        woken.wait(5)
+    pytest.fail("the audio did not end")
+
+
+@contextlib.contextmanager
+def hosted(chat, fronts: int = 1):
+    """An ``EngineHost`` over ``chat`` in a thread, and a ready ``RemoteClient`` for each front."""
+    engine_ends, front_ends = open_pipes(fronts)
+    host = EngineHost(LocalClient(chat), engine_ends)
+    host.announce()
+    serving = threading.Thread(target=host.serve, daemon=True)
+    serving.start()
+    clients = [RemoteClient(ends, index=i) for i, ends in enumerate(front_ends)]
+    try:
+        for client in clients:
+            client.wait_ready(60)
+        yield clients
+    finally:
+        for client in clients:
+            client.close()
+        serving.join(30)
+        assert not serving.is_alive(), "the host kept serving after every front left"
+
+
+def engine_is_idle(chat) -> bool:
+    assert chat.engine.wait_idle(timeout=30)
+    stats = chat.engine.stats().engine
+    return stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+
+
+# ---------------------------------------------------------------------------- no model
+def test_remote_audio_reads_like_joined_audio():
+    cancelled = []
+    blocking = RemoteAudio("a", cancelled.append)  # no on_ready: next waits for the reader thread's chunk
+    threading.Timer(0.05, blocking.deliver, (np.ones(3, np.float32),)).start()
+    assert next(blocking).tolist() == [1, 1, 1]
+    blocking.deliver(None)
+    with pytest.raises(StopIteration):
+        next(blocking)
+    blocking.cancel()  # over: nothing to cancel
+    assert cancelled == []
+
+    woken = []
+    audio = RemoteAudio("b", cancelled.append)
+    audio.on_ready(lambda: woken.append(1))
+    assert next(audio) is PENDING
+    audio.deliver(np.zeros(2, np.float32))
+    audio.deliver(np.ones(2, np.float32))
+    audio.deliver(None, "the engine process exited")
+    assert len(woken) == 3
+    chunk, end, failure = take_ready(audio)  # the chunks first, then the failure
+    assert chunk.tolist() == [0, 0, 1, 1] and end and isinstance(failure, RuntimeError)
+    assert str(failure) == "the engine process exited"
+
+    left = RemoteAudio("c", cancelled.append)
+    left.cancel()
+    left.cancel()
+    assert cancelled == ["c"]  # once, and nothing arrives after it
+    left.deliver(np.ones(1, np.float32))
+    with pytest.raises(StopIteration):
+        next(left)
+
+
+class _Recorder:
+    """Stands in for a pipe end the host sends on."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+class _FakeClient:
+    info = EngineInfo("cpu", 4)
+    kit = None
+
+    def start(self, prompts, params, in_flight):
+        raise ValueError("the engine says no")
+
+    async def stats(self):
+        return "the stats"
+
+
+def wait_for(predicate, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_host_dispatches_by_type_and_survives_what_it_does_not_know(caplog):
+    events = _Recorder()
+    host = EngineHost(_FakeClient(), [EngineEnds(None, events, _Recorder())])
+    front = host.fronts[0]
+    with caplog.at_level(logging.ERROR):
+        host.dispatch(front, Bogus())  # an unknown message: logged, nothing answered
+    assert "unknown message Bogus" in caplog.text and events.sent == []
+    host.dispatch(front, Call("f0.1", Bogus()))  # an unknown call: an error reply
+    (reply,) = events.sent
+    assert reply == Reply("f0.1", "unknown call Bogus", ErrorKind.INTERNAL)
+    with pytest.raises(RuntimeError, match="unknown call Bogus"):
+        reply.result()
+    host.dispatch(front, Start("f0.2", [], None, 4))  # the engine refuses it: the request fails, alone
+    assert events.sent[-1] == Failed("f0.2", "ValueError: the engine says no")
+    host.dispatch(front, Call("f0.3", Stats()))  # and the next call is answered (on the calls loop)
+    wait_for(lambda: len(events.sent) == 3)
+    assert events.sent[-1] == Reply("f0.3", "the stats")
+
+
+def test_a_dead_engine_fails_what_is_in_flight_and_every_new_request():
+    engine_ends, (ends,) = open_pipes(1)
+    (engine,) = engine_ends
+    kit = SimpleNamespace(speaker_stats=None, config=SimpleNamespace(hidden_size=8))
+    engine.events.send(Ready(EngineInfo("cpu", 4), kit))
+    client = RemoteClient(ends)
+    assert client.wait_ready(10) == EngineInfo("cpu", 4) and client.health() is None
+    audio = client.start([], None, 4)
+
+    async def stats_when_gone():
+        call = asyncio.ensure_future(client.stats())
+        await asyncio.sleep(0.1)
+        engine.close()  # the engine process exits
+        with pytest.raises(EngineGoneError, match="engine process"):
+            await call
+
+    asyncio.run(stats_when_gone())
+    samples, failure = read(audio, 10)
+    assert samples.size == 0 and isinstance(failure, RuntimeError) and "engine process" in str(failure)
+    assert "engine process" in client.health()
+    with pytest.raises(EngineGoneError, match="engine process"):
+        client.start([], None, 4)
+    with pytest.raises(EngineGoneError, match="engine process"):
+        asyncio.run(client.refine(["a"], RefineTextParams()))
+    client.close()
+
+
+# ---------------------------------------------------------------------------- with the tiny checkpoint
+def test_prompts_cross_the_pipe_as_plain_arrays(chat):
+    """What the front sends to run: the prompts its kit made, as numpy arrays (a torch tensor would be pickled as
+    shared memory whose descriptor the engine process fetches back from the front), and they come out equal to
+    what the one-process path builds from the same request."""
+    local = LocalClient(chat)
+    kit = pickle.loads(pickle.dumps(local.kit))  # as the front gets it
+    p = code_params(kit, local.voices, seed=3)
+    prompts, params = kit.prompts(kit.prepare_texts(TEXT), p)
+    expected = chat.pipeline.code_prompts(chat.prepare_texts(TEXT), p)
+    assert len(prompts) == len(expected) == 2
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(Start("f0.0", [PromptArrays.of(q) for q in prompts], params, 4))
+    assert b"torch" not in buf.getvalue()
+    got = pickle.loads(buf.getvalue())
+    assert got.params == params == chat.pipeline.code_params(p)
+    for arrays, want in zip(got.prompts, expected, strict=True):
+        prompt = arrays.prompt()
+        assert torch.equal(prompt.ids, want.ids) and torch.equal(prompt.text_mask, want.text_mask)
+        assert torch.equal(prompt.speaker, want.speaker)
+
+
+def test_a_request_the_engine_process_refuses_ends_its_audio_with_the_error(chat, caplog):
+    """The front prepared and validated a request, but the engine process refuses it all the same: its audio
+    (whose headers are out) ends with the engine's error instead of hanging, and the engine process goes on
+    serving, past a message it does not know."""
+    with hosted(chat) as (front,):
+        prompts, params = front.kit.prompts(["Refused by the engine."], code_params(front.kit, front.voices))
+
+        def refuse(*args, **kwargs):
+            raise ValueError("the engine says no")
+
+        chat.pipeline.joined = refuse
+        try:
+            samples, failure = read(front.start(prompts, params, 4))
+        finally:
+            del chat.pipeline.joined
+        assert samples.size == 0 and isinstance(failure, RuntimeError) and "the engine says no" in str(failure)
+        with caplog.at_level(logging.ERROR):
+            front.ends.cmd.send(Bogus())
+            samples, failure = read(front.start(prompts, params, 4))  # the engine process serves the next one
+        assert failure is None and samples.size > 0
+        assert "unknown message Bogus" in caplog.text
+    assert engine_is_idle(chat)
+
+
+def test_remote_audio_equals_local_audio_and_calls_answer(chat):
+    local = LocalClient(chat)
+    p = code_params(local.kit, local.voices, seed=5)
+    prompts, params = local.kit.prompts(local.kit.prepare_texts(TEXT), p)
+    want, failure = read(local.start(prompts, params, 4))
+    assert failure is None and want.size > 0
+    refine = RefineTextParams(manual_seed=2, max_new_token=12, show_tqdm=False)
+    with hosted(chat) as (front,):
+        assert front.info == local.info
+        got, failure = read(front.start(prompts, params, 4))
+        assert failure is None and np.array_equal(got, want)
+
+        async def calls():
+            return await front.refine(["hello world", "a b c"], refine), await front.stats()
+
+        refined, stats = asyncio.run(calls())
+        assert refined == chat.pipeline.refine_texts(["hello world", "a b c"], refine)
+        assert isinstance(stats, EngineStats) and stats.num_generated_tokens > 0
+        with pytest.raises(ValueError, match="transcript"):  # the engine's ValueError, raised here as one
+            asyncio.run(front.register_voice("nobody", np.zeros(24000, np.float32), "  "))
+    assert engine_is_idle(chat)
+
+
+def test_two_fronts_share_voices_and_metrics(chat):
+    rng = np.random.default_rng(0)
+    wav = (0.3 * rng.standard_normal(24000)).astype(np.float32)
+    with hosted(chat, fronts=2) as (a, b):
+        a.share_metrics(lambda: ["a's families"])
+        b.share_metrics(lambda: ["b's families"])
+        voice = asyncio.run(a.register_voice("mine", wav, " what is said "))
+        assert voice.spk_smp == chat.sample_audio_speaker(wav) and voice.txt_smp == "what is said"
+        assert a.voices.resolve(voice.id) == voice
+        wait_for(lambda: voice in b.voices.list())  # relayed by the engine process
+        assert asyncio.run(a.peer_metrics()) == [["b's families"]]
+        assert asyncio.run(b.peer_metrics()) == [["a's families"]]
+        prompts, params = a.kit.prompts(["short"], code_params(a.kit, a.voices))
+        ours, theirs = a.start(prompts, params, 1), b.start(prompts, params, 1)
+        assert ours.rid.startswith("f0.") and theirs.rid.startswith("f1.")  # request ids carry the front's index
+        ours.cancel()
+        theirs.cancel()
+        b.close()  # a front that left is not waited for
+        assert asyncio.run(a.peer_metrics()) == []
+
+
+def test_cancels_reach_the_engine(chat):
+    """A cancelled audio, a cancelled refine call and a front that leaves each abort their engine requests."""
+    long = " ".join(f"Sentence {i} of a request that is cancelled early." for i in range(6))
+    with hosted(chat, fronts=2) as (a, b):
+        p = code_params(a.kit, a.voices, tokens=300)
+        prompts, params = a.kit.prompts(a.kit.prepare_texts(long), p)
+        before = chat.engine.stats().engine.num_generated_tokens
+        audio = a.start(prompts, params, 4)
+        audio.on_ready(lambda: None)
+        wait_for(lambda: take_ready(audio)[0] is not None, 60)  # generating
+        audio.cancel()
+        assert engine_is_idle(chat)
+        left = b.start(prompts, params, 4)
+        left.on_ready(lambda: None)
+        wait_for(lambda: take_ready(left)[0] is not None, 60)
+        b.close()
+        assert engine_is_idle(chat)
+        assert chat.engine.stats().engine.num_generated_tokens - before < 2 * 6 * 300  # neither ran to its end
+
+        before = chat.engine.stats().engine.num_generated_tokens
+
+        async def cancelled_refine():
+            slow = RefineTextParams(manual_seed=1, max_new_token=384, min_new_token=384, show_tqdm=False)
+            task = asyncio.ensure_future(a.refine(["a refine pass that is cancelled"], slow))
+            while chat.engine.stats().engine.num_running == 0:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cancelled_refine())
+        assert engine_is_idle(chat)
+        assert chat.engine.stats().engine.num_generated_tokens - before < 384  # aborted, not run to its end
+
+
+def test_the_engine_process_serves_its_fronts_and_exits_when_they_left(upstream_ckpt):
+    """``start_engine`` spawns it: it ignores SIGTERM (its fronts drain, then leave), serves every front, and
+    exits cleanly once the last one left."""
+    load = {"source": "custom", "custom_path": upstream_ckpt, "device": "cpu"}
+    first = RemoteClient.start_engine(load, EngineSettings(audio_round_ms=0, log_level="warning"), fronts=2)
+    (ends,) = first.peers
+    second = RemoteClient(ends, index=1)
+    try:
+        assert first.wait_ready(300) == second.wait_ready(60) and first.info.device == "cpu"
+        os.kill(first.process.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert first.process.is_alive() and first.health() is None
+        for front in (first, second):
+            prompts, params = front.kit.prompts(["Served by the engine process."], code_params(front.kit, front.voices))
+            samples, failure = read(front.start(prompts, params, 4))
+            assert failure is None and samples.size > 0
+        second.close()
+        first.process.join(1)
+        assert first.process.is_alive()  # the first front still uses it
+    finally:
+        first.close()
+    assert first.process.exitcode == 0
