@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from engine_helpers import check_cancelled_refine_aborts, engine_is_idle
 
 from chattts_velocity.audio.pump import PENDING, take_ready
 from chattts_velocity.engine import EngineStats
@@ -93,11 +94,6 @@ def hosted(chat, fronts: int = 1):
         serving.join(30)
         assert not serving.is_alive(), "the host kept serving after every front left"
 
-
-def engine_is_idle(chat) -> bool:
-    assert chat.engine.wait_idle(timeout=30)
-    stats = chat.engine.stats().engine
-    return stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
 
 
 # ---------------------------------------------------------------------------- no model
@@ -263,7 +259,8 @@ def test_remote_audio_equals_local_audio_and_calls_answer(chat):
     with hosted(chat) as (front,):
         assert front.info == local.info
         got, failure = read(front.start(prompts, params, 4))
-        assert failure is None and np.array_equal(got, want)
+        # the same tokens; windows decoded in batches of another make-up differ in float rounding only
+        assert failure is None and got.size == want.size and np.allclose(got, want, rtol=0, atol=1e-5)
 
         async def calls():
             return await front.refine(["hello world", "a b c"], refine), await front.stats()
@@ -316,20 +313,7 @@ def test_cancels_reach_the_engine(chat):
         assert engine_is_idle(chat)
         assert chat.engine.stats().engine.num_generated_tokens - before < 2 * 6 * 300  # neither ran to its end
 
-        before = chat.engine.stats().engine.num_generated_tokens
-
-        async def cancelled_refine():
-            slow = RefineTextParams(manual_seed=1, max_new_token=384, min_new_token=384, show_tqdm=False)
-            task = asyncio.ensure_future(a.refine(["a refine pass that is cancelled"], slow))
-            while chat.engine.stats().engine.num_running == 0:
-                await asyncio.sleep(0.01)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-        asyncio.run(cancelled_refine())
-        assert engine_is_idle(chat)
-        assert chat.engine.stats().engine.num_generated_tokens - before < 384  # aborted, not run to its end
+        check_cancelled_refine_aborts(a, chat)
 
 
 def test_the_engine_process_serves_its_fronts_and_exits_when_they_left(upstream_ckpt):

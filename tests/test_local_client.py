@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from engine_helpers import check_cancelled_refine_aborts, engine_is_idle
 
 from chattts_velocity.audio.pump import take_ready
 from chattts_velocity.engine import EngineStats
@@ -23,11 +24,6 @@ from chattts_velocity.serving.voices import OPENAI_VOICES, UnknownVoiceError, Vo
 
 TEXT = "One sentence here. And a second one!"
 
-
-def engine_is_idle(chat) -> bool:
-    assert chat.engine.wait_idle(timeout=30)
-    stats = chat.engine.stats().engine
-    return stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
 
 
 def params(voice, seed: int = 1, tokens: int = 40) -> InferCodeParams:
@@ -83,7 +79,8 @@ def test_local_audio_is_the_pipelines(chat):
     audio.start()
     got = np.concatenate(list(audio))
     want = np.concatenate(list(chat.pipeline.stream_joined(texts, p, use_decoder=True, in_flight=4)))
-    assert got.size > 0 and np.array_equal(got, want)
+    # the same tokens; windows decoded in batches of another make-up differ in float rounding only
+    assert got.size == want.size > 0 and np.allclose(got, want, rtol=0, atol=1e-5)
     assert engine_is_idle(chat)
 
 
@@ -116,21 +113,7 @@ def test_refine_register_stats_and_health(chat, tmp_path, monkeypatch):
 
 
 def test_a_cancelled_refine_aborts_its_engine_requests(chat):
-    client = LocalClient(chat)
-    before = chat.engine.stats().engine.num_generated_tokens
-
-    async def cancelled():
-        slow = RefineTextParams(manual_seed=1, max_new_token=384, min_new_token=384, show_tqdm=False)
-        task = asyncio.ensure_future(client.refine(["a refine pass that is cancelled"], slow))
-        while chat.engine.stats().engine.num_running == 0:
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(cancelled())
-    assert engine_is_idle(chat)
-    assert chat.engine.stats().engine.num_generated_tokens - before < 384
+    check_cancelled_refine_aborts(LocalClient(chat), chat)
 
 
 def test_a_cancelled_audio_aborts_its_engine_requests(chat):
