@@ -1,35 +1,39 @@
-"""Checks shared by the engine-seam tests (a ``LocalClient`` in this process, a ``RemoteClient`` over pipes)."""
+"""Small builders for engine unit tests: sequences without a model."""
 
 from __future__ import annotations
 
-import asyncio
+import itertools
 
-import pytest
+from chattts_velocity.engine.sampling_params import SamplingParams
+from chattts_velocity.engine.sequence import Sequence
 
-from chattts_velocity.params import RefineTextParams
-
-
-def engine_is_idle(chat) -> bool:
-    """Every request of ``chat``'s engine finished or aborted, and its KV blocks given back."""
-    assert chat.engine.wait_idle(timeout=30)
-    stats = chat.engine.stats().engine
-    return stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+_ids = itertools.count()
 
 
-def check_cancelled_refine_aborts(client, chat) -> None:
-    """A refine pass through ``client`` whose awaiting task is cancelled once it runs: the task ends cancelled,
-    and ``chat``'s engine aborted its request (idle, fewer tokens generated than the pass would have)."""
-    before = chat.engine.stats().engine.num_generated_tokens
+def make_seq(num_tokens: int, first: int = 0, speaker_key: bytes = b"", max_new: int = 100,
+             request_id: str | None = None) -> Sequence:
+    """A code-mode sequence of ``num_tokens`` distinct audio tokens starting at id ``first``."""
+    tokens = [(first + i,) * 4 for i in range(num_tokens)]
+    seq_id = next(_ids)
+    return Sequence(seq_id, request_id or f"r{seq_id}", tokens, [False] * num_tokens, None, speaker_key,
+                    SamplingParams(max_new_tokens=max_new), seed=0, max_tokens=num_tokens + max_new)
 
-    async def cancelled() -> None:
-        slow = RefineTextParams(manual_seed=1, max_new_token=384, min_new_token=384, show_tqdm=False)
-        task = asyncio.ensure_future(client.refine(["a refine pass that is cancelled"], slow))
-        while chat.engine.stats().engine.num_running == 0:
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
-    asyncio.run(cancelled())
-    assert engine_is_idle(chat)
-    assert chat.engine.stats().engine.num_generated_tokens - before < 384  # aborted, not run to its end
+def record_windows(engine, record) -> None:
+    """Call ``record(window, continuing)`` for every decode window ``engine`` launches (``continuing``: queued
+    behind the batch's previous window by ``ModelRunner.launch_next``)."""
+    runner = engine.runner
+    launch, launch_next = runner.launch, runner.launch_next
+
+    def first(plan):
+        window = launch(plan)
+        if window.decode:
+            record(window, False)
+        return window
+
+    def following(window, num_steps):
+        queued = launch_next(window, num_steps)
+        record(queued, True)
+        return queued
+
+    runner.launch, runner.launch_next = first, following

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from engine_helpers import check_cancelled_refine_aborts, engine_is_idle
+from seam_helpers import check_cancelled_refine_aborts, engine_is_idle
 
 from chattts_velocity.audio.pump import PENDING, take_ready
 from chattts_velocity.engine import EngineStats

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from engine_helpers import check_cancelled_refine_aborts, engine_is_idle
+from seam_helpers import check_cancelled_refine_aborts, engine_is_idle
 
 from chattts_velocity.audio.pump import take_ready
 from chattts_velocity.engine import EngineStats
