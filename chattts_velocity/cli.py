@@ -153,6 +153,14 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--audio-round-ms", type=float, default=d.audio_round_ms,
                    help="least time between audio decode rounds holding only later chunks; first chunks are "
                         "decoded at once (default: %(default)s; 0: after every engine step)")
+    s.add_argument("--ws-max-contexts", type=int, default=d.ws_max_contexts,
+                   help="realtime socket: contexts open at once per socket (default: %(default)s)")
+    s.add_argument("--ws-idle-timeout", type=float, default=d.ws_idle_timeout_s,
+                   help="realtime socket: seconds without a message or a speaking context before it is closed "
+                        "(default: %(default)s)")
+    s.add_argument("--ws-send-timeout", type=float, default=d.ws_send_timeout_s,
+                   help="realtime socket: seconds a client may take to read one message before it is dropped "
+                        "(default: %(default)s)")
     s.add_argument("--max-num-seqs", type=int, default=None,
                    help="engine: sequences decoded together (default: max-concurrent x "
                         f"{d.in_flight_sentences} sentences)")

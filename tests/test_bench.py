@@ -248,17 +248,17 @@ def test_serve_bench_fails_at_once_when_a_client_process_dies():
     import time
     from types import SimpleNamespace
 
-    from chattts_velocity.bench.serve import _gather
+    from chattts_velocity.bench.serve import gather_parts
 
     out = queue.Queue()
     out.put(([{"ok": True}], 0.1))
     alive, dead = SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=1)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="died \\(exit code 1\\)"):
-        _gather(out, [alive, dead], timeout_s=600)
+        gather_parts(out, [alive, dead], timeout_s=600)
     assert time.monotonic() - start < 30
     out.put(("a", 0.1))
     out.put(("b", 0.2))
-    assert _gather(out, [alive, SimpleNamespace(exitcode=0)], timeout_s=600) == [("a", 0.1), ("b", 0.2)]
+    assert gather_parts(out, [alive, SimpleNamespace(exitcode=0)], timeout_s=600) == [("a", 0.1), ("b", 0.2)]
     with pytest.raises(RuntimeError, match="did not finish within 0 s"):
-        _gather(out, [alive], timeout_s=0)
+        gather_parts(out, [alive], timeout_s=0)

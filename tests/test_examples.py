@@ -1,11 +1,12 @@
 """Every script in ``examples/`` runs against a tiny checkpoint and writes what it says it wrote. The scripts run
-as subprocesses, all at once (each spends most of its time importing and loading), the speech-server client
-against a server of its own."""
+as subprocesses, all at once (each spends most of its time importing and loading), the speech-server clients
+against a server of their own."""
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,8 @@ EXAMPLES = {
     "engine_direct": [],
 }
 CLIENT_INPUT = "Hello from the server. A second sentence."
+INTERRUPT_S = 0.3
+"""voice_agent's user interrupts this long into the first answer's audio, while its LLM is still writing it."""
 
 
 PARALLEL = 2
@@ -61,7 +64,10 @@ def runs(upstream_ckpt, tmp_path_factory) -> dict[str, tuple[subprocess.Complete
     server = ServerProcess(upstream_ckpt, "--max-new-token", str(TOKENS))  # comes up while those two run
     try:
         waiting = waiting[PARALLEL:] + [("openai_client", ["--base-url", server.url + "/v1", "--api-key", API_KEY,
-                                                            "--seed", "1", "--input", CLIENT_INPUT])]
+                                                            "--seed", "1", "--input", CLIENT_INPUT]),
+                                        ("voice_agent", ["--url", server.url.replace("http://", "ws://"),
+                                                         "--api-key", API_KEY, "--seed", "1",
+                                                         "--interrupt-after", str(INTERRUPT_S)])]
         while (waiting or running) and time.monotonic() < deadline:
             reap(block=False)
             while waiting and len(running) < PARALLEL:
@@ -144,3 +150,31 @@ def test_openai_client_streams_pcm_into_a_wav(runs):
     assert "first audio after" in stdout
     assert 0 < seconds(path) <= 2 * TOKENS * SECONDS_PER_TOKEN  # two sentences of at most TOKENS tokens
     assert abs(seconds(path) - printed_seconds(stdout, path)) < 0.01
+
+
+def test_voice_agent_is_interrupted_then_answers_in_a_new_context(runs):
+    stdout, out = finished(runs, "voice_agent")
+    first, second = stdout.split("answer-2, in a new context on the same socket:")
+    assert f"the user interrupts after {INTERRUPT_S:g} s -> context.cancel" in first
+    played = float(re.search(r"answer-1: cancelled, [\d.]+ s of audio received, ([\d.]+) s played", first).group(1))
+    assert 0 < played <= INTERRUPT_S + 0.1  # playback stopped at the interruption (a tick or a late wake-up more)
+    done = float(re.search(r"answer-2: done, ([\d.]+) s of audio", second).group(1))
+    segments = [(float(a), float(b)) for a, b in re.findall(r"\[([\d.]+)-([\d.]+) s\] \S", second)]
+    assert len(segments) == 2 and segments[0][0] == 0
+    assert segments[0][1] == segments[1][0]  # its two sentences, back to back
+    assert 0 < done and abs(segments[-1][1] - done) <= 0.01  # the segments cover the audio
+    path = os.path.join(out, "voice_agent.wav")
+    assert abs(seconds(path) - printed_seconds(stdout, path)) < 0.01
+    assert abs(seconds(path) - played - done) < 0.02  # what the user heard: the first answer cut, then the second
+
+
+def test_voice_agent_without_a_server_is_a_clean_error(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "voice_agent.py"), "--url", f"ws://127.0.0.1:{port}",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: ws://127.0.0.1:{port}/v1/audio/speech/stream: ")
+    assert proc.stderr.count("\n") == 1  # one line

@@ -116,7 +116,8 @@ def test_streaming_requests_hold_no_thread_each(server):
     assert statistics.median(samples) - before <= 1, (before, samples)
 
 
-def test_sse_events_in_order_ending_with_done(server, reference_seconds):
+def sse_events(server) -> list[dict]:
+    """The events of an SSE speech response for ``TEXT`` (pcm, seed 7)."""
     events = []
     with httpx.stream("POST", server.url + "/v1/audio/speech", headers=AUTH, timeout=60,
                       json={"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm",
@@ -125,13 +126,33 @@ def test_sse_events_in_order_ending_with_done(server, reference_seconds):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
+    return events
+
+
+def test_sse_events_in_order_ending_with_done(server, reference_seconds):
+    events = sse_events(server)
     types = [e["type"] for e in events]
     # how many deltas depends on timing (every chunk ready when the reader comes goes out in one event: on a
     # slow box the whole 0.4 s can be one); the order and the audio do not
-    assert types[-1] == "speech.audio.done" and set(types[:-1]) == {"speech.audio.delta"} and len(types) >= 2
-    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert types[-1] == "speech.audio.done" and set(types[:-1]) == {"speech.audio.delta", "speech.segment"}
+    assert types.count("speech.audio.delta") >= 1
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     assert abs(len(audio) / 2 / 24000 - reference_seconds) < 1e-3
     assert events[-1]["usage"]["output_tokens"] > 0
+
+
+def test_sse_speech_segments_place_each_sentence_in_the_audio(server, reference_seconds):
+    events = sse_events(server)
+    segments = [e for e in events if e["type"] == "speech.segment"]
+    assert [s["text"] for s in segments] == ["Hello there. ", "This is a test of the speech server."]
+    assert segments[0]["start_s"] == 0 and abs(segments[-1]["end_s"] - reference_seconds) < 1e-3
+    assert all(a["end_s"] == b["start_s"] < b["end_s"] for a, b in zip(segments[:-1], segments[1:], strict=True))
+    sent = 0.0
+    for event in events:  # each segment after its sentence's audio, before any of the next
+        if event["type"] == "speech.audio.delta":
+            sent += len(base64.b64decode(event["audio"])) / 2 / 24000
+        elif event["type"] == "speech.segment":
+            assert abs(sent - event["end_s"]) < 1e-3, (sent, event)
 
 
 def test_voices_list_as_open_webui_reads_it_and_a_registered_voice(server, client):

@@ -42,6 +42,55 @@ def faded(chunks: Iterator[np.ndarray], first: bool, last: bool) -> Iterator[np.
         yield pending
 
 
+class Joiner:
+    """``faded`` over consecutive sentences fed one chunk at a time, when whether a sentence is the last is
+    learned only after its audio (a realtime context's text is still arriving): the last ``FADE`` samples of
+    each sentence are held back until ``next_sentence`` (faded out) or ``finish`` (as they are). The output,
+    concatenated, equals ``faded`` over each sentence's chunks with ``first`` and ``last`` as they turned out."""
+
+    def __init__(self):
+        self._ramp = np.linspace(0.0, 1.0, FADE, dtype=np.float32)
+        self._pending = np.zeros(0, dtype=np.float32)
+        self._fading_in = False
+
+    @property
+    def held(self) -> int:
+        """Samples pushed and not yet returned."""
+        return self._pending.size
+
+    def push(self, samples: np.ndarray) -> np.ndarray:
+        """The current sentence's next samples in; what may be sent now out (maybe empty)."""
+        pending = np.concatenate([self._pending, samples])
+        if self._fading_in:
+            if pending.size < FADE:
+                self._pending = pending
+                return pending[:0]
+            pending[:FADE] *= self._ramp
+            self._fading_in = False
+        cut = max(pending.size - FADE, 0)
+        self._pending = pending[cut:]
+        return pending[:cut]
+
+    def next_sentence(self) -> np.ndarray:
+        """The current sentence was not the last: its held tail, faded out. The next ``push`` starts the next
+        sentence (faded in)."""
+        tail = self._tail()
+        tail = tail * self._ramp[::-1][FADE - tail.size :]
+        self._fading_in = True
+        return tail
+
+    def finish(self) -> np.ndarray:
+        """The current sentence was the last: its held tail."""
+        return self._tail()
+
+    def _tail(self) -> np.ndarray:
+        tail, self._pending = self._pending, np.zeros(0, dtype=np.float32)
+        if self._fading_in:  # a sentence shorter than the fade-in
+            tail = tail * self._ramp[: tail.size]
+            self._fading_in = False
+        return tail
+
+
 def aligned(rows: dict[str, list[np.ndarray]], done: frozenset[str], order) -> np.ndarray | None:
     """Take the samples every unfinished row has ([B, n]; finished rows, those in ``done``, padded with zeros),
     minus the columns that are silent in every row; None if there is nothing to yield yet."""

@@ -1,10 +1,13 @@
-"""The ``chattts-velocity bench`` subcommand: its parser and the dispatch to the engine, stream and serve modes."""
+"""The ``chattts-velocity bench`` subcommand: its parser and the dispatch to the engine, stream, serve and serve
+--realtime modes."""
 
 from __future__ import annotations
 
 import argparse
 
 from .config import DEFAULT_BATCHES, DTYPES, SIZES, BenchConfig
+from .realtime import RealtimeBenchConfig
+from .realtime import run_and_report as run_realtime
 from .runner import run_and_report
 from .serve import ServeBenchConfig
 from .serve import run_and_report as run_serve
@@ -23,7 +26,21 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+def realtime_config(args: argparse.Namespace) -> RealtimeBenchConfig:
+    return RealtimeBenchConfig(
+        url=args.url.rstrip("/"), streams=tuple(args.streams), words_per_s=args.words_per_s,
+        barge_in=args.barge_in, sentences=args.sentences, api_key=args.api_key,
+        json_path=args.json if args.json != "bench.json" else "bench_realtime.json",
+        streams_per_process=args.streams_per_process,
+    )
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.realtime and args.mode != "serve":
+        raise ValueError("--realtime drives a running server: chattts-velocity bench serve --realtime")
+    if args.realtime:
+        run_realtime(realtime_config(args))
+        return 0
     if args.mode == "serve":
         run_serve(ServeBenchConfig(
             url=args.url.rstrip("/"), streams=tuple(args.streams), requests_per_stream=args.requests_per_stream,
@@ -63,6 +80,16 @@ def add_bench_parser(sub) -> None:
                    help="serve mode: keep every request's times in the JSON and send each with an X-Request-Id")
     b.add_argument("--requests-per-stream", type=int, default=2,
                    help="serve mode: requests each client makes in a row (default: 2)")
+    b.add_argument("--realtime", action="store_true",
+                   help="serve mode: drive the realtime WebSocket instead (/v1/audio/speech/stream): per level "
+                        "that many sockets, one context each, text appended word by word; first audio after the "
+                        "first sentence's end, underruns, barge-ins (cancel to silence, to KV blocks free)")
+    b.add_argument("--words-per-s", type=float, default=15.0,
+                   help="serve --realtime: how fast each context's text is appended (default: 15)")
+    b.add_argument("--barge-in", type=float, default=0.2, metavar="FRACTION",
+                   help="serve --realtime: share of contexts cancelled at their first audio (default: 0.2)")
+    b.add_argument("--sentences", type=int, default=3,
+                   help="serve --realtime: sentences of each context's text (default: 3)")
     b.add_argument("--size", default="full", choices=SIZES, help="full (real shapes) or tiny random weights")
     b.add_argument("--batch", type=int, nargs="+", default=list(DEFAULT_BATCHES),
                    help="batch sizes: concurrent requests submitted at once (default: 1 16 64 256)")

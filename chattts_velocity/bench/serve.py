@@ -208,7 +208,7 @@ def _level(cfg: ServeBenchConfig, n: int) -> dict:
         except threading.BrokenBarrierError:
             raise RuntimeError(f"the {procs} bench client processes did not all start within 120 s") from None
         start = time.perf_counter()
-        parts = _gather(out, workers, cfg.timeout_s * cfg.requests_per_stream + 60)
+        parts = gather_parts(out, workers, cfg.timeout_s * cfg.requests_per_stream + 60)
         wall = time.perf_counter() - start
     finally:
         for w in workers:
@@ -218,7 +218,7 @@ def _level(cfg: ServeBenchConfig, n: int) -> dict:
     return _summary(n, [r for results, _ in parts for r in results], wall, [cpu for _, cpu in parts], cfg.trace)
 
 
-def _gather(out, workers, timeout_s: float) -> list:
+def gather_parts(out, workers, timeout_s: float) -> list:
     """One result per client process; a process that died without one fails the level at once."""
     import queue
 

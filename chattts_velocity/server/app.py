@@ -23,6 +23,8 @@ from .admission import Admission, QueueFullError
 from .errors import ApiKeyAuth, install_error_handlers
 from .metrics import Metrics
 from .prepare import code_params, refine_params
+from .realtime.context import SpeechContext
+from .realtime.route import install_realtime
 from .schema import OPENAI_MODELS, SpeechRequest, error
 from .settings import ServerConfig
 from .streaming import Streams
@@ -105,6 +107,7 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, admissio
     async def speech(body: SpeechRequest, request: Request) -> Response:
         return await _speech(state, body, request.url.path)
 
+    install_realtime(app, state)
     return app
 
 
@@ -126,8 +129,14 @@ async def _speech(state: SpeechState, body: SpeechRequest, path: str) -> Respons
         texts = client.kit.prepare_texts(body.input)
         if body.refines:
             texts = await client.refine(texts, refine_params(body))
-        prompts, params = client.kit.prompts(texts, code_params(body, voice, config))
-        audio = client.start(prompts, params, config.in_flight_sentences)
+        code = code_params(body, voice, config)
+        prompts, params = client.kit.prompts(texts, code)
+        if body.stream_format == "sse":  # sentence by sentence, for the body's speech.segment events
+            audio = SpeechContext(client, "sse", code, config.in_flight_sentences, config.max_input_chars)
+            audio.speak(texts, prompts, params)
+            audio.end()
+        else:
+            audio = client.start(prompts, params, config.in_flight_sentences)
     except (UnknownVoiceError, ValueError) as e:
         ticket.cancel()
         unknown = isinstance(e, UnknownVoiceError)
@@ -141,7 +150,7 @@ async def _speech(state: SpeechState, body: SpeechRequest, path: str) -> Respons
     state.metrics.prepare.observe(time.monotonic() - started)
     state.metrics.count(path, 200)
     wakeup = None
-    if await ticket.take_if_free():
+    if body.stream_format != "sse" and await ticket.take_if_free():
         # the engine starts now, not when the body does: in a burst the event loop sends everybody's headers
         # first. The body reads through the loop's wake-ups.
         wakeup = state.streams.wakeup()

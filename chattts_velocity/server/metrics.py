@@ -1,8 +1,8 @@
 """Prometheus metrics of the speech server (``GET /metrics``): requests by route and status, the admission
-queue, the engine's load (sequences waiting and running, KV blocks in use, preemptions, tokens) from its stats at
-scrape time, and histograms of time to first audio and real-time factor. A front of a shared engine (``serve
---fronts``) adds the other fronts' request series to its own; a Ray Serve replica labels its series with its
-replica and shows every other replica's beside them (``cluster.py``)."""
+queue, the realtime sockets and their contexts, the engine's load (sequences waiting and running, KV blocks in
+use, preemptions, tokens) from its stats at scrape time, and histograms of time to first audio and real-time
+factor. A front of a shared engine (``serve --fronts``) adds the other fronts' request series to its own; a Ray
+Serve replica labels its series with its replica and shows every other replica's beside them (``cluster.py``)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ class Metrics:
                                  "tokens, validation, a refine pass: what the response headers wait for)", registry=r, buckets=_PREPARE_BUCKETS)
         self.rtf = Histogram("chattts_real_time_factor", "seconds of audio per second of wall time", registry=r,
                              buckets=_RTF_BUCKETS)
+        self.ws_sockets = Gauge("chattts_ws_sockets", "realtime sockets open", registry=r)
+        self.ws_contexts = Counter("chattts_ws_contexts", "realtime contexts started", registry=r)
+        self.ws_cancels = Counter("chattts_ws_cancels", "realtime contexts cancelled (by the client, or by their "
+                                  "socket closing)", registry=r)
         self.gc_pause = Histogram("chattts_gc_pause_seconds", "Python garbage collections (the process stands "
                                   "still: the GIL is held)", ["generation"], registry=r, buckets=_GC_BUCKETS)
         _watch_gc(self)

@@ -24,7 +24,8 @@ OPTIONS: dict[str, type] = {
     # the HTTP server
     "host": str, "port": int, "api_key": str, "max_concurrent": int, "max_queue": int, "max_input_chars": int,
     "voices_dir": str, "max_new_token": int, "min_new_token": int, "shutdown_timeout": float, "keep_alive": int,
-    "audio_round_ms": float, "log_level": str,
+    "audio_round_ms": float, "log_level": str, "ws_max_contexts": int, "ws_idle_timeout": float,
+    "ws_send_timeout": float,
     # the engine
     "max_num_seqs": int, "kv_cache_gib": float, "engine_dtype": str, "max_window_tokens": int,
     # the topology
@@ -71,10 +72,17 @@ class ServerConfig:
     a request's first chunk is decoded at once, a later one up to this much later, and under load fewer,
     larger rounds leave the engine more of its time. 0: a round after every engine step."""
     model_name: str = "chattts-velocity"
+    ws_max_contexts: int = 8
+    """Contexts one realtime socket (``/v1/audio/speech/stream``) may have open at once."""
+    ws_idle_timeout_s: float = 60.0
+    """A realtime socket with no context speaking and no message from its client for this long is closed."""
+    ws_send_timeout_s: float = 10.0
+    """A realtime socket whose client takes longer than this to take one message (it stopped reading) is dropped,
+    and its contexts cancelled."""
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent", "max_input_chars", "in_flight_sentences", "max_new_token", "retry_after_s",
-                     "keep_alive_s"):
+                     "keep_alive_s", "ws_max_contexts"):
             _check_int(name, getattr(self, name), 1)
         _check_int("min_new_token", self.min_new_token, 0)
         if self.min_new_token > self.max_new_token:
@@ -84,6 +92,9 @@ class ServerConfig:
             raise ValueError(f"audio_round_ms must be within 0-1000, got {self.audio_round_ms!r}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s!r}")
+        for name in ("ws_idle_timeout_s", "ws_send_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.api_key is None and os.environ.get(API_KEY_ENV):
             object.__setattr__(self, "api_key", os.environ[API_KEY_ENV])
 
@@ -185,7 +196,8 @@ class ServeSettings:
             max_concurrent=o["max_concurrent"], max_queue=o["max_queue"], max_input_chars=o["max_input_chars"],
             api_key=o["api_key"], voices_dir=o["voices_dir"], max_new_token=o["max_new_token"],
             min_new_token=o["min_new_token"], shutdown_timeout_s=o["shutdown_timeout"], keep_alive_s=o["keep_alive"],
-            audio_round_ms=o["audio_round_ms"]))
+            audio_round_ms=o["audio_round_ms"], ws_max_contexts=o["ws_max_contexts"],
+            ws_idle_timeout_s=o["ws_idle_timeout"], ws_send_timeout_s=o["ws_send_timeout"]))
         if o["engine_dtype"] is not None and o["engine_dtype"] not in ENGINE_DTYPES:
             raise ValueError(f"engine_dtype must be one of {', '.join(ENGINE_DTYPES)}, got {o['engine_dtype']!r}")
         window = SERVE_WINDOW_TOKENS if o["max_window_tokens"] is None else o["max_window_tokens"]

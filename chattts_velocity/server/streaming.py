@@ -1,7 +1,9 @@
 """A speech response's body: one request's audio (``EngineClient.start``'s ``RequestAudio``) read on the event
 loop without a thread, woken by the engine's thread through ``Wakeups``, encoded on the fly (``audio_format``)
-as bytes or as server-sent events, inside the request's admission slot. Leaving early (a client that went
-away) cancels the audio, which ends its engine requests."""
+as bytes or as server-sent events, inside the request's admission slot. Server-sent events come sentence by
+sentence (a ``SpeechContext`` over the request's prepared sentences, the same audio), with a ``speech.segment``
+event giving each sentence's place in the audio. Leaving early (a client that went away) cancels the audio,
+which ends its engine requests."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 
 import numpy as np
 from fastapi.responses import StreamingResponse
@@ -24,6 +27,7 @@ from ..serving.client import RequestAudio
 from .admission import Ticket
 from .audio_format import CONTENT_TYPES, StreamEncoder
 from .metrics import Metrics
+from .realtime.context import AudioOut, DoneOut, FailedOut, SegmentOut, SpeechContext
 from .schema import SpeechRequest
 
 logger = logging.getLogger(__name__)
@@ -105,13 +109,14 @@ class Streams:
             self._wakeups = Wakeups(loop)
         return Wakeup(self._wakeups)
 
-    def response(self, body: SpeechRequest, audio: RequestAudio, ticket: Ticket, wakeup: Wakeup | None
-                 ) -> StreamingResponse:
-        """The response streaming ``audio`` as ``body`` asks (``wakeup``: the one given before it started).
+    def response(self, body: SpeechRequest, audio: RequestAudio | SpeechContext, ticket: Ticket,
+                 wakeup: Wakeup | None) -> StreamingResponse:
+        """The response streaming ``audio`` as ``body`` asks (``wakeup``: the one given before it started; for
+        ``stream_format`` "sse" ``audio`` is a ``SpeechContext`` holding the request's sentences, not started).
         Every format is sent as it is encoded (OpenAI's endpoint streams its body too; wav with an open-ended
         header), so the SDK's plain ``create`` and its streaming response read the same bytes."""
         if body.stream_format == "sse":
-            return Admitted(self._sse(body, audio, ticket, wakeup), ticket, audio, "text/event-stream")
+            return Admitted(self._sse(body, audio, ticket), ticket, audio, "text/event-stream")
         content = self._encoded(body, audio, ticket, wakeup)
         return Admitted(content, ticket, audio, CONTENT_TYPES[body.response_format])
 
@@ -121,31 +126,50 @@ class Streams:
         there by then goes out as one. Closing this (a disconnect) cancels the audio, which ends its engine
         requests."""
         start, samples, first = time.monotonic(), 0, True
+        async with self._running(ticket, audio):
+            if wakeup is None:
+                wakeup = self.wakeup()
+                audio.on_ready(wakeup.set)
+            ready = wakeup.ready
+            while True:
+                ready.clear()  # before looking: news from here on sets it again
+                chunk, end, failure = take_ready(audio)
+                if chunk is not None:
+                    if first:
+                        self.metrics.first_audio(time.monotonic() - start)
+                        first = False
+                    samples += chunk.size
+                    yield chunk
+                if failure is not None:
+                    raise failure
+                if end:
+                    break
+                await ready.wait()
+            self.metrics.finished(samples / SAMPLE_RATE, time.monotonic() - start)
+
+    async def _events(self, speech: SpeechContext, ticket: Ticket) -> AsyncIterator:
+        """``speech``'s events inside an admission slot (``_chunks`` for a ``SpeechContext``)."""
+        start, first = time.monotonic(), True
+        async with self._running(ticket, speech), aclosing(speech.events()) as events:
+            async for event in events:
+                if first and isinstance(event, AudioOut):
+                    self.metrics.first_audio(time.monotonic() - start)
+                    first = False
+                elif isinstance(event, DoneOut):
+                    self.metrics.finished(event.audio_seconds, time.monotonic() - start)
+                yield event
+
+    @asynccontextmanager
+    async def _running(self, ticket: Ticket, audio: RequestAudio | SpeechContext) -> AsyncIterator[None]:
+        """A body's reading: inside ``ticket``'s running slot, counted in ``in_flight``; ``audio`` is cancelled
+        on the way out (thread-safe; also when the request left before its audio started)."""
         async with ticket.slot():
             self.in_flight += 1
             try:
-                if wakeup is None:
-                    wakeup = self.wakeup()
-                    audio.on_ready(wakeup.set)
-                ready = wakeup.ready
-                while True:
-                    ready.clear()  # before looking: news from here on sets it again
-                    chunk, end, failure = take_ready(audio)
-                    if chunk is not None:
-                        if first:
-                            self.metrics.first_audio(time.monotonic() - start)
-                            first = False
-                        samples += chunk.size
-                        yield chunk
-                    if failure is not None:
-                        raise failure
-                    if end:
-                        break
-                    await ready.wait()
-                self.metrics.finished(samples / SAMPLE_RATE, time.monotonic() - start)
+                yield
             finally:
                 self.in_flight -= 1
-                audio.cancel()  # thread-safe; also when the request left before its audio started
+                audio.cancel()
                 if not self.in_flight:
                     self._trim_heap()
 
@@ -164,16 +188,24 @@ class Streams:
             logger.exception("speech generation failed mid-stream")
             raise
 
-    async def _sse(self, body: SpeechRequest, audio: RequestAudio, ticket: Ticket, wakeup: Wakeup | None
-                   ) -> AsyncIterator[bytes]:
+    async def _sse(self, body: SpeechRequest, speech: SpeechContext, ticket: Ticket) -> AsyncIterator[bytes]:
         encoder = StreamEncoder(body.response_format, SAMPLE_RATE)
         tokens = 0
         try:
-            async for chunk in self._chunks(audio, ticket, wakeup):
-                tokens += chunk.size / 512
-                data = encoder.encode(chunk)
-                if data:
-                    yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+            async with aclosing(self._events(speech, ticket)) as events:
+                async for event in events:
+                    if isinstance(event, AudioOut):
+                        tokens += event.samples.size / 512
+                        data = encoder.encode(event.samples)
+                        if data:
+                            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+                    elif isinstance(event, SegmentOut):
+                        yield _event({"type": "speech.segment", "text": event.text, "start_s": event.start_s,
+                                      "end_s": event.end_s})
+                    elif isinstance(event, FailedOut):
+                        logger.error("speech generation failed mid-stream: %s", event.message)
+                        yield _event({"type": "error", "error": {"message": event.message, "type": "server_error"}})
+                        return
             tail = encoder.finish()
             if tail:
                 yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
@@ -195,7 +227,7 @@ class Admitted(StreamingResponse):
     """Gives the ticket's queue place (or the slot it took early) back and cancels the audio if the body never
     started (the client left first)."""
 
-    def __init__(self, content, ticket: Ticket, audio: RequestAudio, media_type: str):
+    def __init__(self, content, ticket: Ticket, audio: RequestAudio | SpeechContext, media_type: str):
         super().__init__(content, media_type=media_type)
         self.ticket, self.audio = ticket, audio
 

@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterator
 
 # Upstream ``Chat.infer`` cuts after a Chinese full stop or after ". " (so decimals such as 3.14 stay whole).
 _SENTENCE_END = re.compile(r"(?<=。)|(?<=\.\s)")
+# The same ends seen one at a time in a growing text, and a newline (an end of its own there).
+_PIECE_END = re.compile(r"。|\.\s|\n")
 
 # Break points for a piece too long for the model, strongest first: sentence ends, clause marks, commas,
 # whitespace. Each cut falls after the mark so the punctuation stays with the words it closes. Below them all,
@@ -28,6 +30,39 @@ def split_text(text: str) -> list[str]:
     if "\n" in text:
         return text.split("\n")
     return [piece for piece in _SENTENCE_END.split(text) if piece]
+
+
+class SentenceBuffer:
+    """``split_text`` applied to text that arrives in pieces (a realtime context's appends): each sentence is
+    handed out as soon as its end is seen. For text without newlines the pieces are ``split_text``'s (blank ones
+    left out); a newline also ends a piece and is dropped, whether or not the text had one before."""
+
+    def __init__(self):
+        self._text = ""
+        self._seen = 0  # the text before this holds no end (a "." at its end may yet become one)
+
+    @property
+    def pending(self) -> int:
+        """Characters buffered: not yet handed out as a piece."""
+        return len(self._text)
+
+    def append(self, text: str) -> list[str]:
+        """Add ``text``; the pieces now complete, in order (none blank)."""
+        self._text += text
+        pieces = []
+        while match := _PIECE_END.search(self._text, self._seen):
+            newline = match.group().endswith("\n")
+            end = match.end()
+            piece, self._text, self._seen = self._text[: end - 1 if newline else end], self._text[end:], 0
+            if piece.strip():
+                pieces.append(piece)
+        self._seen = max(0, len(self._text) - 1)
+        return pieces
+
+    def flush(self) -> list[str]:
+        """What is buffered, as the last piece (none if it is blank); the buffer is then empty."""
+        piece, self._text, self._seen = self._text, "", 0
+        return [piece] if piece.strip() else []
 
 
 def split_long(text: str, count_tokens: Callable[[str], int], max_tokens: int) -> list[str]:
