@@ -93,7 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         from .server.run import launch
     except ImportError as e:
-        raise ValueError(f"the server needs its extras: pip install \"chattts-velocity[server]\" ({e})") from None
+        raise ValueError(f"the server needs its extras: pip install -e \".[server]\" from a clone, or "
+                         f"\"chattts-velocity[server]\" from an index ({e})") from None
     return launch(settings)
 
 
@@ -120,7 +121,8 @@ def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="the OpenAI-compatible speech server (POST /v1/audio/speech)",
                        description="One engine shared by every request: in this process, in a process of its own "
                                    "(--engine-process, --fronts) or in Ray Serve replicas (--replicas). Needs the "
-                                   "server extras: pip install \"chattts-velocity[server]\".")
+                                   "server extras: pip install -e \".[server]\" from a clone, or "
+                                   "\"chattts-velocity[server]\" from an index.")
     _add_model_args(s)
     s.add_argument("--host", default=ServeSettings.host,
                    help="address to bind (default: %(default)s, this machine only)")
@@ -161,6 +163,10 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--ws-send-timeout", type=float, default=d.ws_send_timeout_s,
                    help="realtime socket: seconds a client may take to read one message before it is dropped "
                         "(default: %(default)s)")
+    s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body; beyond it 413 (default: %(default)s)")
+    s.add_argument("--max-upload-bytes", type=int, default=d.max_upload_bytes,
+                   help="largest voice upload (POST /v1/audio/voices); beyond it 413 (default: %(default)s)")
     s.add_argument("--max-num-seqs", type=int, default=None,
                    help="engine: sequences decoded together (default: max-concurrent x "
                         f"{d.in_flight_sentences} sentences)")
@@ -171,7 +177,8 @@ def _add_serve_parser(sub) -> None:
                    help="engine: most tokens (steps x sequences) per multi-step decode window, so arriving "
                         "requests wait less under load (default: %(default)s; 0: no cap)")
     s.add_argument("--log-level", default=ServeSettings.log_level, choices=LOG_LEVELS)
-    r = s.add_argument_group("replicas (Ray Serve: pip install \"chattts-velocity[scale]\")",
+    r = s.add_argument_group("replicas (Ray Serve: pip install -e \".[scale]\" from a clone, or "
+                             "\"chattts-velocity[scale]\" from an index)",
                              "--replicas, --min/--max-replicas or --ray-address serve through Ray Serve: one engine "
                              "replica per GPU behind Serve's HTTP proxy on --host/--port; every other option applies "
                              "to each replica. 'serve run chattts_velocity.server.scale:app_builder' takes the same "
@@ -227,7 +234,8 @@ def _webui(args: argparse.Namespace) -> int:
     try:
         from .webui import DemoConfig, launch
     except ImportError as e:
-        raise ValueError(f"the web demo needs its extras: pip install \"chattts-velocity[webui]\" ({e})") from None
+        raise ValueError(f"the web demo needs its extras: pip install -e \".[webui]\" from a clone, or "
+                         f"\"chattts-velocity[webui]\" from an index ({e})") from None
     config = DemoConfig(max_new_token=args.max_new_token, concurrency_limit=args.concurrency_limit,
                         max_queue=args.max_queue)
     chat = load_chat(dict(_weights(args), max_num_seqs=args.max_num_seqs), threads=args.threads)
@@ -238,7 +246,8 @@ def _add_webui_parser(sub) -> None:
     w = sub.add_parser("webui", help="the Gradio web demo (ChatTTS's web UI over the shared engine)",
                        description="Every visitor's requests are batched together in one engine; Stop cancels "
                                    "only the visitor's own request. Needs the web demo extras: "
-                                   "pip install \"chattts-velocity[webui]\".")
+                                   "pip install -e \".[webui]\" from a clone, or "
+                                   "\"chattts-velocity[webui]\" from an index.")
     _add_model_args(w)
     w.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     w.add_argument("--port", type=int, default=7860)

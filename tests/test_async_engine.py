@@ -223,6 +223,26 @@ def test_explicit_abort_and_stream_close(chat, make_async):
     assert engine.engine.stats().kv_blocks_used == 0
 
 
+def test_the_engine_times_its_aborts_and_its_loop(chat, make_async):
+    """``stats()`` carries how long each abort waited for the engine thread (asked to blocks freed) and how long
+    each loop turn took; an abort waits at most the turn it arrives in, plus the wake-up."""
+    engine = make_async(num_decode_steps=4)
+    stream = engine.add_request(code_prompt(chat, "abort me"), seeded(0, 300, min_new=300), request_id="t")
+    next(stream)
+    engine.abort("t")
+    list(stream)
+    assert engine.wait_idle(30)
+    stats = engine.stats().engine
+    waits, turns = stats.abort_wait, stats.loop_time
+    assert waits.count == 1 and sum(waits.counts) == 1 and 0 < waits.total_s < 30
+    assert turns.count >= 2 and sum(turns.counts) == turns.count and turns.total_s > 0
+    assert waits.cumulative()[-1] == ("+Inf", 1) and turns.cumulative()[-1] == ("+Inf", turns.count)
+    # a snapshot: later turns do not change it
+    before = turns.count
+    list(engine.add_request(code_prompt(chat, "after"), seeded(1, 8)))
+    assert stats.loop_time.count == before < engine.stats().engine.loop_time.count
+
+
 def test_shutdown_drains_or_aborts(chat, make_async):
     engine = make_async()
     s1 = engine.add_request(code_prompt(chat, "drain me"), seeded(0, 20, min_new=20))

@@ -194,6 +194,9 @@ def test_models_health_and_metrics(server):
     prepared = metric(server.url, "chattts_prepare_seconds_count")
     assert prepared >= metric(server.url, "chattts_time_to_first_audio_seconds_count") > 0
     assert metric(server.url, "chattts_prepare_seconds_sum") > 0
+    # the engine thread times its own turns (the engine process's too: they cross the pipe with its stats)
+    assert metric(server.url, "chattts_engine_loop_seconds_count") > 0
+    assert metric(server.url, "chattts_engine_loop_seconds_sum") > 0
 
 
 def test_metrics_time_the_garbage_collections(server, client):

@@ -19,6 +19,7 @@ from gradio_client.utils import QueueError
 
 from chattts_velocity import Chat
 from chattts_velocity.engine import FinishReason
+from chattts_velocity.server import ServerConfig
 from chattts_velocity.webui import DemoConfig, build_demo
 from chattts_velocity.webui.session import Session
 
@@ -209,6 +210,24 @@ def test_bad_input_is_shown_to_the_visitor(url, speaker):
         client.predict(*generate_args(speaker, "   ", stream=False), api_name="/generate")
     with pytest.raises(Exception, match="speaker"):
         client.predict(*generate_args("not a speaker", SHORT, stream=False), api_name="/generate")
+
+
+def test_a_text_past_the_servers_limit_is_refused_before_anything_runs(url, chat, speaker):
+    limit = ServerConfig.max_input_chars
+    text = ("Hello world, how are you today? " * (limit // 16))[: limit + 1]
+    submitted = chat.engine.stats().num_requests
+    with pytest.raises(Exception, match=f"{limit + 1:,} characters, at most {limit:,}"):
+        visitor(url).predict(*generate_args(speaker, text, stream=False), api_name="/generate")
+    assert chat.engine.stats().num_requests == submitted  # no sentence reached the engine
+
+
+def test_the_input_box_stops_at_the_servers_limit(chat):
+    assert CONFIG.max_input_chars == DemoConfig().max_input_chars == ServerConfig().max_input_chars
+    demo = build_demo(chat, DemoConfig(max_input_chars=100))
+    boxes = [b for b in demo.blocks.values() if getattr(b, "label", None) == "Input text"]
+    assert len(boxes) == 1 and boxes[0].max_length == 100
+    with pytest.raises(ValueError, match="max_input_chars"):
+        DemoConfig(max_input_chars=0)
 
 
 def test_timbre_seed_gives_upstreams_voice_for_that_seed(url, chat):

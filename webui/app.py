@@ -36,7 +36,7 @@ def build_demo(chat: Chat, config: DemoConfig | None = None) -> gr.Blocks:
         session = gr.State(Session())
         gr.Markdown("# ChatTTS Velocity\nChatTTS text to speech on a continuous-batching engine: every visitor's "
                     "request is batched with the others'.")
-        c = _layout(chat)
+        c = _layout(chat, config)
         _wire_voices(chat, config, c)
         inputs = [session, c.text, c.refine, c.temperature, c.top_p, c.top_k, c.speaker, c.audio_seed,
                   c.text_seed, c.sample_text, c.sample_code, c.stream]
@@ -70,12 +70,14 @@ class _Controls:
     """The page's components, by name."""
 
 
-def _layout(chat: Chat) -> _Controls:
+def _layout(chat: Chat, config: DemoConfig) -> _Controls:
     c = _Controls()
     first = EXAMPLES[0]
     with gr.Row():
         with gr.Column(scale=2):
-            c.text = gr.Textbox(label="Input text", lines=4, max_lines=8, value=first[0], placeholder="Text to speak")
+            c.text = gr.Textbox(label="Input text", lines=4, max_lines=8, value=first[0], placeholder="Text to speak",
+                                max_length=config.max_input_chars,
+                                info=f"At most {config.max_input_chars:,} characters")
             c.sample_text = gr.Textbox(label="Sample text", lines=2, max_lines=4,
                                        placeholder="Transcript of the voice sample: with a sample, it replaces "
                                                    "the speaker embedding")
@@ -148,6 +150,7 @@ def _generator(chat: Chat, config: DemoConfig):
                  speaker: str, audio_seed: float, text_seed: float, sample_text: str, sample_code_: str,
                  stream: bool) -> Iterator[tuple]:
         """Refined text first, then the audio: int16 chunks into the streaming player, or the whole wav."""
+        _check_length(text or "", config.max_input_chars)
         run = session.start()
         try:
             settings = Settings(text or "", bool(refine_text), float(temperature), float(top_p), int(top_k),
@@ -185,6 +188,13 @@ def _checked(fn, *args):
         return fn(*args)
     except ValueError as e:
         raise gr.Error(str(e)) from None
+
+
+def _check_length(text: str, limit: int) -> None:
+    """Refuse a text past the limit (the page's textbox stops there, an API call does not)."""
+    if len(text) > limit:
+        raise gr.Error(f"the text has {len(text):,} characters, at most {limit:,} are allowed: shorten it or "
+                       "generate it in parts")
 
 
 def _int(value: float | None, name: str) -> int:

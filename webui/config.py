@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chattts_velocity.server.settings import ServerConfig
+
 
 @dataclass(frozen=True)
 class DemoConfig:
@@ -21,9 +23,11 @@ class DemoConfig:
     4 x the concurrency limit."""
     max_sample_seconds: float = 60.0
     """Longest voice sample accepted for cloning."""
+    max_input_chars: int = ServerConfig.max_input_chars
+    """Longest text a visitor may generate, in characters: the speech server's limit."""
 
     def __post_init__(self) -> None:
-        for name in ("max_new_token", "max_refine_token", "in_flight"):
+        for name in ("max_new_token", "max_refine_token", "in_flight", "max_input_chars"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -16,7 +16,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,6 +25,7 @@ from .llm_engine import EngineStats, LLMEngine
 from .request_stream import RequestStream, RequestTimes
 from .sampling_params import SamplingParams
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence
+from .timings import Timings
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class AsyncLLMEngine:
         """No request queued, running or being aborted (updated by the engine thread)."""
         self._beat = time.monotonic()
         """When the engine thread last finished a step or woke up to work (``check_health``)."""
+        self._abort_asked: dict[str, float] = {}  # request id -> when its abort was asked
+        self._abort_wait = Timings()
+        self._loop_time = Timings()
         _ENGINES.add(self)
 
     @property
@@ -144,6 +148,7 @@ class AsyncLLMEngine:
         """Abort a request (no-op if unknown or finished); its stream ends with finish reason ``abort``."""
         with self._lock:
             self._aborts.append(request_id)
+            self._abort_asked.setdefault(request_id, time.monotonic())
             self._lock.notify()
 
     def stats(self) -> AsyncStats:
@@ -151,7 +156,8 @@ class AsyncLLMEngine:
             requests = dict(self._recent)
             for rid, stream in self._streams.items():
                 requests[rid] = stream.times[rid]
-            return AsyncStats(engine=self._stats, num_requests=self._num_requests, requests=requests)
+            engine = replace(self._stats, abort_wait=self._abort_wait.copy(), loop_time=self._loop_time.copy())
+            return AsyncStats(engine=engine, num_requests=self._num_requests, requests=requests)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every request finished and every abort was applied (blocks freed); False on timeout."""
@@ -215,6 +221,7 @@ class AsyncLLMEngine:
                 if self._idle:
                     self._beat = time.monotonic()
                 self._idle = False
+            turn = time.monotonic()
             self._take_pending()
             try:
                 outputs = engine.step()
@@ -222,6 +229,7 @@ class AsyncLLMEngine:
                 logger.exception("engine step failed; failing every request")
                 outputs = self._fail_all(err)
             self._dispatch(outputs)
+            self._loop_time.observe(time.monotonic() - turn)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -251,10 +259,15 @@ class AsyncLLMEngine:
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
+            asked = [self._abort_asked.pop(rid, None) for rid in aborts]
         for seq, _ in new:
             self.engine.add_sequence(seq)
         for rid in aborts:
             self.engine.abort_request(rid)
+        now = time.monotonic()
+        for t in asked:
+            if t is not None:
+                self._abort_wait.observe(now - t)
 
     def _fail_all(self, err: Exception) -> list[RequestOutput]:
         outputs = []

@@ -23,6 +23,7 @@ from .model_runner import LaunchedStep, ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence
+from .timings import Timings
 from .validation import check_prompt, float32_host, validate_request
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,11 @@ class EngineStats:
     """Most sequences computed together in one step so far."""
     num_failed: int
     """Requests failed by a step error."""
+    abort_wait: Timings | None = None
+    """From an abort asked of ``AsyncLLMEngine`` to its blocks freed (set by ``AsyncLLMEngine.stats``)."""
+    loop_time: Timings | None = None
+    """One turn of ``AsyncLLMEngine``'s loop: a step and the audio round after it (set likewise); an abort
+    waits at most the turn it arrives in."""
 
 
 class LLMEngine:

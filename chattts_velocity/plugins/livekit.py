@@ -1,4 +1,5 @@
-"""LiveKit Agents TTS over the realtime socket (``pip install "chattts-velocity[livekit]"``).
+"""LiveKit Agents TTS over the realtime socket (``pip install -e ".[livekit]"`` from a clone, or
+``"chattts-velocity[livekit]"``).
 
 ``TTS`` streams (``stream()``: text pushed as the LLM writes it, audio as each sentence is ready) and speaks
 whole texts (``synthesize()``). One socket per ``TTS`` carries every stream, each stream one context of it: a

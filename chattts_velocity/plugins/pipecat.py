@@ -1,4 +1,5 @@
-"""pipecat TTS service over the realtime socket (``pip install "chattts-velocity[pipecat]"``).
+"""pipecat TTS service over the realtime socket (``pip install -e ".[pipecat]"`` from a clone, or
+``"chattts-velocity[pipecat]"``).
 
 One socket for the service's life; each turn (an LLM reply, or a ``TTSSpeakFrame``) is one context of it:
 ``run_tts`` appends the turn's text (and flushes it, sentence by sentence, unless text is streamed token by

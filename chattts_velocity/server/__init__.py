@@ -1,4 +1,5 @@
-"""The OpenAI-compatible speech server (``chattts-velocity serve``; needs ``pip install "chattts-velocity[server]"``):
+"""The OpenAI-compatible speech server (``chattts-velocity serve``; needs ``pip install -e ".[server]"`` from a
+clone, or ``"chattts-velocity[server]"``):
 ``build_app`` over an ``EngineClient`` (``app.py``), launched in one of its topologies by ``run.launch`` as
 ``ServeSettings`` say (``settings.py``)."""
 

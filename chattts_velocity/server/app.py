@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from ..serving.client import EngineClient
 from ..serving.voices import UnknownVoiceError, read_sample
 from .admission import Admission, QueueFullError
-from .errors import ApiKeyAuth, install_error_handlers
+from .errors import ApiKeyAuth, BodyLimit, install_error_handlers
 from .metrics import Metrics
 from .prepare import code_params, refine_params
 from .realtime.context import SpeechContext
@@ -61,6 +61,8 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, admissio
     app = FastAPI(title="chattts-velocity", version="0.1.0")
     app.state.speech = state
     install_error_handlers(app, state.metrics)
+    app.add_middleware(BodyLimit, max_body=config.max_body_bytes, max_upload=config.max_upload_bytes,
+                       metrics=state.metrics)
     if config.api_key:
         app.add_middleware(ApiKeyAuth, key=config.api_key, metrics=state.metrics)
 
@@ -97,7 +99,7 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, admissio
                              name: Annotated[str, Form()] = "") -> Response:
         data = await audio.read()
         try:
-            wav = await anyio.to_thread.run_sync(read_sample, data)
+            wav = await anyio.to_thread.run_sync(read_sample, data, config.max_upload_bytes)
             voice = await client.register_voice(name, wav, transcript)
         except ValueError as e:
             return error(400, str(e), param="audio" if "audio" in str(e) else "transcript")

@@ -87,7 +87,8 @@ def _import_av():
     try:
         import av
     except ImportError as e:
-        msg = 'encoding mp3, opus, aac or flac needs PyAV: pip install "chattts-velocity[server]"'
+        msg = ('encoding mp3, opus, aac or flac needs PyAV: pip install -e ".[server]" from a clone, or '
+               '"chattts-velocity[server]" from an index')
         raise ImportError(msg) from e
     return av
 

@@ -1,5 +1,6 @@
 """How the speech server says no: OpenAI's error body for invalid requests, HTTP errors, a gone engine and
-anything unexpected (never a traceback), and the API key check. Each refusal is counted in ``/metrics``."""
+anything unexpected (never a traceback; its connection closed), the API key check and the request-body cap. Each
+refusal is counted in ``/metrics`` under its route's template."""
 
 from __future__ import annotations
 
@@ -11,10 +12,27 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..serving.client import EngineGoneError
-from .metrics import Metrics
+from .metrics import Metrics, route_label
 from .schema import error
 
+UPLOAD_ROUTE = ("POST", "/v1/audio/voices")
+"""The one route whose body is a file (multipart): it has the upload cap, every other the body cap."""
+
 logger = logging.getLogger(__name__)
+
+
+class BodyTooLargeError(StarletteHTTPException):
+    """A request body past its cap (raised while the app reads it: before any JSON is parsed)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than {limit} bytes")
+        self.limit = limit
+
+
+def too_large(limit: int) -> Response:
+    """The 413 of a body past ``limit`` bytes; the connection closes, as the rest of the body is never read."""
+    return error(413, f"the request body is larger than {limit} bytes", code="request_too_large",
+                 headers={"Connection": "close"})
 
 
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
@@ -27,24 +45,31 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         if first.get("type") == "json_invalid":  # the location is a character offset, not a field
             loc = []
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        metrics.count(request.url.path, 400)
+        metrics.count(route_label(request.scope), 400)
         return error(400, message, param=loc[0] if loc else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        metrics.count(request.url.path, exc.status_code)
+        metrics.count(route_label(request.scope), exc.status_code)
         return error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
 
     @app.exception_handler(EngineGoneError)
     async def _gone(request: Request, exc: EngineGoneError) -> Response:
-        metrics.count(request.url.path, 503)
+        metrics.count(route_label(request.scope), 503)
         return error(503, str(exc), "server_error")
+
+    @app.exception_handler(BodyTooLargeError)
+    async def _too_large(request: Request, exc: BodyTooLargeError) -> Response:
+        metrics.count(route_label(request.scope), 413)
+        return too_large(exc.limit)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s", request.url.path)
-        metrics.count(request.url.path, 500)
-        return error(500, "internal error: the server log has the details", "server_error")
+        metrics.count(route_label(request.scope), 500)
+        # the connection may be mid-body or mid-response: the client must not send its next request down it
+        return error(500, "internal error: the server log has the details", "server_error",
+                     headers={"Connection": "close"})
 
 
 class ApiKeyAuth:
@@ -58,9 +83,52 @@ class ApiKeyAuth:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
-                self.metrics.count(scope["path"], 401)
+                self.metrics.count(route_label(scope), 401)
                 response = error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                                  "authentication_error", code="invalid_api_key")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """At most ``max_body`` bytes of request body (``max_upload`` for a voice upload), else 413: at once when
+    ``Content-Length`` says more, and as soon as a chunked body passes the cap, reading no further. A plain ASGI
+    middleware, like ``ApiKeyAuth``."""
+
+    def __init__(self, app, max_body: int, max_upload: int, metrics: Metrics):
+        self.app, self.max_body, self.max_upload, self.metrics = app, max_body, max_upload, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_upload if (scope["method"], scope["path"]) == UPLOAD_ROUTE else self.max_body
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.strip().isdigit() or int(length) > limit):
+            self.metrics.count(route_label(scope), 413)
+            await too_large(limit)(scope, receive, send)
+            return
+        seen, started = 0, False
+
+        async def capped_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLargeError(limit)
+            return message
+
+        async def watched_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, capped_receive, watched_send)
+        except BodyTooLargeError:  # a route that read its body outside FastAPI's handlers
+            if started:
+                raise
+            self.metrics.count(route_label(scope), 413)
+            await too_large(limit)(scope, receive, send)

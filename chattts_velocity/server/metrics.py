@@ -11,7 +11,12 @@ import time
 import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.routing import Match
+
+OTHER_ROUTE = "other"
+"""The ``route`` label of a request to no known route: one series for every unknown path, however many."""
 
 _TTFA_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2, 5, 10)
 _RTF_BUCKETS = (0.5, 1, 2, 4, 8, 16, 32, 64)
@@ -47,9 +52,12 @@ class Metrics:
                                   "socket closing)", registry=r)
         self.gc_pause = Histogram("chattts_gc_pause_seconds", "Python garbage collections (the process stands "
                                   "still: the GIL is held)", ["generation"], registry=r, buckets=_GC_BUCKETS)
+        self.engine_timings = _EngineTimings()
+        r.register(self.engine_timings)
         _watch_gc(self)
 
     def count(self, route: str, status: int) -> None:
+        """One request to ``route``: a route's path template (``route_label``), never a raw path."""
         self.requests.labels(route=route, status=str(status)).inc()
 
     def first_audio(self, seconds: float) -> None:
@@ -71,7 +79,8 @@ class Metrics:
     def own(self) -> list[Metric]:
         """This server's request counters and histograms (not the gauges: the engine's and the admission's
         are the same from every front of one engine)."""
-        return [family for family in self.registry.collect() if family.type in ("counter", "histogram")]
+        return [family for family in self.registry.collect()
+                if family.type in ("counter", "histogram") and family.name not in _EngineTimings.NAMES]
 
     def collect(self, stats) -> list[Metric]:
         """Every family, with the engine's ``stats`` (what a replica reports to the others)."""
@@ -88,6 +97,38 @@ class Metrics:
         self.kv_total.set(stats.kv_blocks_total)
         self.preemptions.set(stats.num_preemptions)
         self.tokens.set(stats.num_generated_tokens)
+        self.engine_timings.stats = stats
+
+
+class _EngineTimings:
+    """The engine thread's own histograms (``EngineStats.abort_wait``, ``loop_time``), as of the latest stats:
+    the same from every front of one engine, so never summed across fronts (``Metrics.own`` leaves them out)."""
+
+    NAMES = ("chattts_engine_abort_wait_seconds", "chattts_engine_loop_seconds")
+
+    def __init__(self):
+        self.stats = None
+
+    def collect(self):
+        stats = self.stats
+        docs = ("an abort, from asked to its KV blocks freed", "one turn of the engine thread: a step and the "
+                "audio round after it (an abort waits at most the turn it arrives in)")
+        for name, doc, timings in zip(self.NAMES, docs, (getattr(stats, "abort_wait", None),
+                                                         getattr(stats, "loop_time", None)), strict=True):
+            if timings is not None:
+                yield HistogramMetricFamily(name, doc, buckets=timings.cumulative(), sum_value=timings.total_s)
+
+
+def route_label(scope: dict) -> str:
+    """The ``route`` label of a request: the path template of the route it matched (or, before routing, of the
+    first of its app's routes that matches it), else ``OTHER_ROUTE``."""
+    route = scope.get("route")
+    if route is None:
+        for candidate in getattr(scope.get("app"), "routes", ()):
+            if candidate.matches(scope)[0] != Match.NONE:
+                route = candidate
+                break
+    return getattr(route, "path", None) or OTHER_ROUTE
 
 
 def _watch_gc(metrics: Metrics) -> None:

@@ -43,7 +43,8 @@ def launch(settings: ServeSettings) -> int:
         try:
             from .scale import run  # Ray: an optional dependency
         except ImportError as e:
-            raise ValueError(f"replicas need Ray Serve: pip install \"chattts-velocity[scale]\" ({e})") from None
+            raise ValueError(f"replicas need Ray Serve: pip install -e \".[scale]\" from a clone, or "
+                             f"\"chattts-velocity[scale]\" from an index ({e})") from None
         return run(settings)
     if settings.engine_process:
         return serve_fronts(settings)

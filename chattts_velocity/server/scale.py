@@ -1,6 +1,6 @@
 """The speech server on Ray Serve: one engine replica per GPU, on one machine or a cluster of them
 (``chattts-velocity serve --replicas N``, or ``serve run chattts_velocity.server.scale:app_builder model=DIR
-replicas=2``; needs ``pip install "chattts-velocity[scale]"``).
+replicas=2``; needs ``pip install -e ".[scale]"`` from a clone, or ``"chattts-velocity[scale]"``).
 
 Each replica is the whole one-process server, ``build_app`` over a ``ReplicaClient`` of its own ``Chat``, so the
 routes, schema, errors, streaming and SSE are the same. Serve's HTTP proxy (no GPU) sends each request to a

@@ -7,11 +7,21 @@ import re
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..model.tokenizer_files import PROMPT_TAGS
+from ..sampling.limits import MIN_TEMPERATURE
 from .audio_format import FORMATS
 
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+MAX_MODEL_CHARS = 256
+"""Longest ``model`` name: any model id is far shorter; the name is echoed in logs."""
+MAX_INSTRUCTIONS_CHARS = 4096
+"""Longest ``instructions``: as long as the longest input; they are parsed for refine tags and otherwise ignored."""
+
+_CODE_PROMPT = re.compile("(?:" + "|".join(re.escape(tag) for tag in PROMPT_TAGS) + ")*")
+"""What ``prompt`` may hold: the tokenizer's prompt tags only (``[speed_3][oral_2]``); a control token such as
+``[spk_emb]`` or ``[Stts]`` would add a second speaker slot or end the prompt early."""
 
 _CONTROL = re.compile(r"^(\[[a-z]+_\d+\])+$")
 """A ChatTTS refine prompt such as ``[oral_2][laugh_0][break_6]``."""
@@ -25,21 +35,30 @@ class SpeechRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1)
+    # numbers and switches are strict (a bool is not a seed, "1" is not a speed); an int is still a float
+    model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS)
     input: str
     voice: str | dict
-    instructions: str | None = None
+    instructions: str | None = Field(default=None, max_length=MAX_INSTRUCTIONS_CHARS)
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
-    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    speed: float = Field(default=1.0, ge=0.25, le=4.0, strict=True)
     stream_format: Literal["audio", "sse"] = "audio"
-    # ChatTTS extras
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    temperature: float = Field(default=0.3, gt=0.0, le=2.0)
-    top_p: float = Field(default=0.7, gt=0.0, le=1.0)
-    top_k: int = Field(default=20, ge=1, le=626)
-    refine_text: bool = False
+    # ChatTTS extras, bounded as the sampler is (``sampling.limits``), the temperature to at most 2
+    seed: int | None = Field(default=None, ge=0, lt=2**63, strict=True)
+    temperature: float = Field(default=0.3, ge=MIN_TEMPERATURE, le=2.0, strict=True)
+    top_p: float = Field(default=0.7, gt=0.0, le=1.0, strict=True)
+    top_k: int = Field(default=20, ge=1, le=626, strict=True)
+    refine_text: bool = Field(default=False, strict=True)
     prompt: str | None = Field(default=None, max_length=64)
     """Extra ChatTTS code prompt tags, e.g. ``[speed_3]`` (overrides ``speed``)."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_tags(cls, prompt: str | None) -> str | None:
+        if prompt is not None and not _CODE_PROMPT.fullmatch(prompt):
+            raise ValueError("only ChatTTS prompt tags are allowed: [speed_0..9], [oral_0..9], [laugh_0..2], "
+                             "[break_0..7], e.g. '[speed_3][oral_2]'")
+        return prompt
 
     def speed_prompt(self) -> str:
         if self.prompt:

@@ -25,7 +25,7 @@ OPTIONS: dict[str, type] = {
     "host": str, "port": int, "api_key": str, "max_concurrent": int, "max_queue": int, "max_input_chars": int,
     "voices_dir": str, "max_new_token": int, "min_new_token": int, "shutdown_timeout": float, "keep_alive": int,
     "audio_round_ms": float, "log_level": str, "ws_max_contexts": int, "ws_idle_timeout": float,
-    "ws_send_timeout": float,
+    "ws_send_timeout": float, "max_body_bytes": int, "max_upload_bytes": int,
     # the engine
     "max_num_seqs": int, "kv_cache_gib": float, "engine_dtype": str, "max_window_tokens": int,
     # the topology
@@ -71,6 +71,10 @@ class ServerConfig:
     """Least time between two audio decode rounds that hold only later chunks (``AudioPump.round_interval_s``):
     a request's first chunk is decoded at once, a later one up to this much later, and under load fewer,
     larger rounds leave the engine more of its time. 0: a round after every engine step."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body, else 413 (a request of ``max_input_chars`` characters is a small part of it)."""
+    max_upload_bytes: int = 16 << 20
+    """Largest voice upload (``POST /v1/audio/voices``), else 413."""
     model_name: str = "chattts-velocity"
     ws_max_contexts: int = 8
     """Contexts one realtime socket (``/v1/audio/speech/stream``) may have open at once."""
@@ -82,7 +86,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent", "max_input_chars", "in_flight_sentences", "max_new_token", "retry_after_s",
-                     "keep_alive_s", "ws_max_contexts"):
+                     "keep_alive_s", "ws_max_contexts", "max_body_bytes", "max_upload_bytes"):
             _check_int(name, getattr(self, name), 1)
         _check_int("min_new_token", self.min_new_token, 0)
         if self.min_new_token > self.max_new_token:
@@ -197,7 +201,8 @@ class ServeSettings:
             api_key=o["api_key"], voices_dir=o["voices_dir"], max_new_token=o["max_new_token"],
             min_new_token=o["min_new_token"], shutdown_timeout_s=o["shutdown_timeout"], keep_alive_s=o["keep_alive"],
             audio_round_ms=o["audio_round_ms"], ws_max_contexts=o["ws_max_contexts"],
-            ws_idle_timeout_s=o["ws_idle_timeout"], ws_send_timeout_s=o["ws_send_timeout"]))
+            ws_idle_timeout_s=o["ws_idle_timeout"], ws_send_timeout_s=o["ws_send_timeout"],
+            max_body_bytes=o["max_body_bytes"], max_upload_bytes=o["max_upload_bytes"]))
         if o["engine_dtype"] is not None and o["engine_dtype"] not in ENGINE_DTYPES:
             raise ValueError(f"engine_dtype must be one of {', '.join(ENGINE_DTYPES)}, got {o['engine_dtype']!r}")
         window = SERVE_WINDOW_TOKENS if o["max_window_tokens"] is None else o["max_window_tokens"]

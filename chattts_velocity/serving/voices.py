@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import threading
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import numpy as np
+import soundfile as sf
 import torch
 
 from ..constants import SAMPLE_RATE
@@ -26,6 +28,10 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "no
 """Each maps to the speaker drawn from the checkpoint's speaker statistics with seed = its index here."""
 
 _ID = re.compile(r"^voice_[0-9a-f]{16}$")
+MIN_SAMPLE_S = 0.5
+MAX_SAMPLE_S = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 class UnknownVoiceError(LookupError):
@@ -73,12 +79,12 @@ class VoiceRegistry:
         self._builtin = {name: Voice(name, name, spk_emb=_builtin_speaker(speaker_stats, i))
                          for i, name in enumerate(OPENAI_VOICES)}
         self._registered: dict[str, Voice] = {}
+        self._unreadable: dict[str, float] = {}  # file -> its mtime when it failed: warned once per version
         if folder:
             os.makedirs(folder, exist_ok=True)
             for file in sorted(os.listdir(folder)):
-                if file.endswith(".json"):
-                    with open(os.path.join(folder, file), encoding="utf-8") as f:
-                        voice = Voice(**json.load(f))
+                voice = self._read(file) if file.endswith(".json") else None
+                if voice is not None:
                     self._registered[voice.id] = voice
 
     def list(self) -> list[Voice]:
@@ -136,13 +142,32 @@ class VoiceRegistry:
         for file in os.listdir(self.folder) if self.folder else ():
             vid = file.removesuffix(".json")
             if file.endswith(".json") and _ID.match(vid) and vid not in self._registered:
-                with open(os.path.join(self.folder, file), encoding="utf-8") as f:
-                    found.append(Voice(**json.load(f)))
+                voice = self._read(file)
+                if voice is not None:
+                    found.append(voice)
         if self.shared is not None:
             found += [Voice(**record) for record in self.shared.all() if record["id"] not in self._registered]
         with self._lock:
             for voice in found:
                 self._registered.setdefault(voice.id, voice)
+
+    def _read(self, file: str) -> Voice | None:
+        """The voice in ``file`` of the folder, or None (with a warning naming it, once per version of the
+        file) if it cannot be read: one bad file must not take the other voices, or the server, down."""
+        path = os.path.join(self.folder, file)
+        try:
+            mtime = os.path.getmtime(path)
+        except OSError:  # gone meanwhile
+            return None
+        if self._unreadable.get(file) == mtime:
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                return Voice(**json.load(f))
+        except (OSError, ValueError, TypeError) as e:  # unreadable, not JSON (or not UTF-8), not a voice record
+            self._unreadable[file] = mtime
+            logger.warning("skipping voice file %s: %s", path, e)
+            return None
 
 
 def _builtin_speaker(stats, seed: int) -> str | None:
@@ -151,22 +176,55 @@ def _builtin_speaker(stats, seed: int) -> str | None:
     return encode_speaker(stats.sample(torch.Generator().manual_seed(seed)))
 
 
-def read_sample(data: bytes, max_seconds: float = 60.0) -> np.ndarray:
-    """An uploaded audio file (any format ffmpeg reads) -> 24 kHz mono float32 samples."""
+def read_sample(data: bytes, max_bytes: int | None = None, max_seconds: float = MAX_SAMPLE_S) -> np.ndarray:
+    """An uploaded audio file (any format ffmpeg reads) -> 24 kHz mono float32 samples. Its size and, where the
+    file's header says it, its duration are checked before any decoding; decoding stops once past
+    ``max_seconds``."""
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ValueError(f"the uploaded audio file has {len(data)} bytes, at most {max_bytes} are allowed")
+    seconds = _header_seconds(data)
+    if seconds is not None:
+        _check_duration(seconds, max_seconds)
+    wav = _decode(data, int(max_seconds * SAMPLE_RATE) + 1)
+    _check_duration(wav.size / SAMPLE_RATE, max_seconds)
+    return wav
+
+
+def _check_duration(seconds: float, max_seconds: float) -> None:
+    if not MIN_SAMPLE_S <= seconds <= max_seconds:
+        raise ValueError(f"the audio sample must last between {MIN_SAMPLE_S:g} and {max_seconds:g} s, "
+                         f"got {seconds:.2f} s")
+
+
+def _header_seconds(data: bytes) -> float | None:
+    """The duration a file's header states (soundfile's formats), or None: unknown format or length."""
+    try:
+        info = sf.info(io.BytesIO(data))
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
+        return None
+    if info.samplerate <= 0 or not 0 < info.frames < 1 << 62:  # a streamed file may state no length
+        return None
+    return info.frames / info.samplerate
+
+
+def _decode(data: bytes, max_samples: int) -> np.ndarray:
+    """The file's audio as 24 kHz mono float32, decoded no further than just past ``max_samples``."""
     import av  # an optional dependency (the server's)
 
+    parts, size = [], 0
     try:
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.audio:
                 raise ValueError("the uploaded audio file has no audio stream")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-            parts = []
             for frame in container.decode(audio=0):
-                parts += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
-            parts += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
+                new = [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+                parts += new
+                size += sum(p.size for p in new)
+                if size > max_samples:  # too long already: the check after says so
+                    break
+            else:
+                parts += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
     except av.error.FFmpegError as e:
         raise ValueError(f"the uploaded audio could not be decoded: {e}") from None
-    wav = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
-    if wav.size < SAMPLE_RATE // 2 or wav.size > max_seconds * SAMPLE_RATE:
-        raise ValueError(f"the audio sample must last between 0.5 and {max_seconds:g} s, got {wav.size / SAMPLE_RATE:.2f} s")
-    return wav.astype(np.float32)
+    return (np.concatenate(parts) if parts else np.zeros(0)).astype(np.float32)
