@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import numpy as np
 import pytest
+import realtime_helpers
 from livekit.agents import APIConnectOptions, APIStatusError
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 from server_helpers import API_KEY, ServerProcess, metric
@@ -32,10 +32,7 @@ def server(upstream_ckpt):
 
 
 def http_pcm(server, text: str, seed: int, voice: str = "alloy") -> np.ndarray:
-    body = {"model": "tts-1", "voice": voice, "input": text, "response_format": "pcm", "seed": seed}
-    r = httpx.post(server.url + "/v1/audio/speech", json=body, headers=AUTH, timeout=120)
-    assert r.status_code == 200, r.text
-    return np.frombuffer(r.content, dtype="<i2")
+    return realtime_helpers.http_pcm(server, text, seed, voice)
 
 
 def pcm_of(events: list) -> np.ndarray:

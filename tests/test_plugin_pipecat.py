@@ -10,9 +10,9 @@ import asyncio
 import time
 from collections.abc import Callable
 
-import httpx
 import numpy as np
 import pytest
+import realtime_helpers
 from pipecat.frames.frames import (
     EndFrame,
     Frame,
@@ -49,10 +49,7 @@ def server(upstream_ckpt):
 
 
 def http_pcm(server, text: str, seed: int, voice: str = "alloy") -> np.ndarray:
-    body = {"model": "tts-1", "voice": voice, "input": text, "response_format": "pcm", "seed": seed}
-    r = httpx.post(server.url + "/v1/audio/speech", json=body, headers=AUTH, timeout=120)
-    assert r.status_code == 200, r.text
-    return np.frombuffer(r.content, dtype="<i2")
+    return realtime_helpers.http_pcm(server, text, seed, voice)
 
 
 def pcm_of(frames: list[Frame]) -> np.ndarray:
