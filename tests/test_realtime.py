@@ -366,3 +366,24 @@ def test_200_sockets_with_random_cancels_and_disconnects_leave_the_engine_empty(
     asyncio.run(run())
     wait_engine_empty(server, also=("chattts_ws_sockets",))
     assert metric(server.url, "chattts_ws_contexts_total") == before + 200
+
+
+def test_a_draining_server_starts_no_new_context(chat):
+    """Once a graceful shutdown began, an append that would open a context is refused (the socket stays usable)."""
+    from fastapi.testclient import TestClient
+
+    from chattts_velocity.server.app import build_app
+    from chattts_velocity.server.settings import ServerConfig
+    from chattts_velocity.serving.local import LocalClient
+
+    app = build_app(LocalClient(chat), ServerConfig(max_new_token=24, min_new_token=24))
+    with TestClient(app) as http, http.websocket_connect("/v1/audio/speech/stream") as ws:
+        assert ws.receive_json()["type"] == "session.created"
+        app.state.speech.draining = True
+        ws.send_json({"type": "input_text.append", "context_id": "late", "text": "Too late. "})
+        refused = ws.receive_json()
+        assert refused["type"] == "error" and refused["code"] == "shutting_down"
+        assert refused["context_id"] == "late" and refused["retry_after_s"] == 5
+        ws.send_json({"type": "session.update", "session": {"seed": 3}})
+        assert ws.receive_json()["type"] == "session.updated"
+    assert app.state.speech.admission.running == app.state.speech.admission.waiting == 0

@@ -181,6 +181,9 @@ class Session:
     def _open(self, context_id: str, text: str) -> LiveContext:
         """A new context (the first append of ``context_id``), admitted, its events being sent."""
         config = self.config
+        if self.state.draining:  # a graceful shutdown: the contexts open go on, no new one starts
+            raise ProtocolError("shutting_down", "the server is shutting down: start the context on another server",
+                                context_id, retry_after_s=5)
         if len(self.contexts) >= config.ws_max_contexts:
             raise ProtocolError("too_many_contexts", f"a socket may have {config.ws_max_contexts} contexts open: "
                                 "end or cancel one first", context_id)
