@@ -11,6 +11,7 @@ finish (up to ``shutdown_timeout_s``), then the process exits 0. A second signal
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import multiprocessing as mp
@@ -65,8 +66,8 @@ class _DrainingServer(uvicorn.Server):
             return
         if self.on_signal is not None:
             self.on_signal(sig)
-        if self.state.draining:  # a second signal: stop now
-            super().handle_exit(sig, frame)
+        if self.state.draining:  # a second signal: stop now, whatever is still streaming
+            self._cut_off()
             return
         self.state.draining = True
         threading.Thread(target=self._drain, name="drain", daemon=True).start()
@@ -75,7 +76,23 @@ class _DrainingServer(uvicorn.Server):
         deadline = time.monotonic() + self.timeout_s
         while self.state.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
+        if self.state.in_flight:  # time is up: no more waiting for bodies (a client that stopped reading)
+            logger.warning("shutdown timeout: %d responses still streaming are cut off", self.state.in_flight)
+            self._loop.call_soon_threadsafe(self._cut_off)
         self.should_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def _cut_off(self) -> None:
+        """Stop now (on the event loop): drop every connection still open, so that neither uvicorn's shutdown
+        nor the listening socket's close waits for a client that stopped reading."""
+        self.force_exit = self.should_exit = True
+        for connection in list(self.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.abort()
 
 
 def serve_local(settings: ServeSettings) -> int:
