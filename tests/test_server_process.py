@@ -1,7 +1,7 @@
 """``serve --engine-process``: what the process split adds to the server tests run in both modes
 (`test_server.py`, `test_server_shutdown.py`): a client that leaves has its engine requests aborted across the
-pipe, ``--min-new-token`` holds every request to one length, and a dead engine process fails the requests in
-flight, turns ``/health`` and new requests into 503s, and the front still exits cleanly. The engine process's
+pipe, ``--min-new-token`` holds every request to one length, and a dead engine process cuts off the requests in
+flight and makes the server exit 1 (its supervisor restarts it). The engine process's
 seam itself (messages, pipes, ``RemoteClient``) is tested in `test_engine_process.py`."""
 
 from __future__ import annotations
@@ -53,31 +53,21 @@ def test_a_client_that_leaves_has_its_requests_aborted_in_the_engine_process(ser
     assert metric(server.url, "chattts_generated_tokens") - before < 3 * 6 * TOKENS
 
 
-def test_a_dead_engine_process_fails_requests_with_503_and_the_front_exits_cleanly(server):
+def test_a_dead_engine_process_cuts_off_its_streams_and_the_server_exits_1(server):
+    """Nothing can be generated once the engine process is gone: the bodies in flight break (never a short body
+    that looks whole) and the server exits 1 at once, for its supervisor to restart it, instead of answering 503
+    for ever."""
     (engine,) = engine_processes(server.proc.pid)
     text = " ".join(f"Sentence {i} is cut off when the engine process dies." for i in range(6))
     with httpx.stream("POST", server.url + "/v1/audio/speech", json=body(text), headers=AUTH, timeout=60) as r:
         chunks = r.iter_bytes()
         got = len(next(chunks))
         os.kill(engine, signal.SIGKILL)
-        with pytest.raises(httpx.RemoteProtocolError):  # cut off: never a short body that looks whole
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
             for chunk in chunks:
                 got += len(chunk)
     assert 0 < got < 6 * (2 * TOKENS - 1) * 256 * 2  # s16le: the whole body would be every sentence's samples
-    health = httpx.get(server.url + "/health", timeout=10)
-    assert health.status_code == 503 and "engine process" in health.json()["status"]
-    late = httpx.post(server.url + "/v1/audio/speech", json=body(), headers=AUTH, timeout=10)
-    assert late.status_code == 503 and "engine process" in late.json()["error"]["message"]
-    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 503
-    refined = httpx.post(server.url + "/v1/audio/speech", json={**body(), "refine_text": True}, headers=AUTH, timeout=10)
-    assert refined.status_code == 503 and "engine process" in refined.json()["error"]["message"]
-    # the front prepares requests itself: it still knows the voices (and still refuses a bad request with its 4xx)
-    voices = httpx.get(server.url + "/v1/audio/voices", headers=AUTH, timeout=10)
-    assert voices.status_code == 200 and "alloy" in {v["id"] for v in voices.json()["voices"]}
-    unknown = httpx.post(server.url + "/v1/audio/speech", json={**body(), "voice": "nobody"}, headers=AUTH, timeout=10)
-    assert unknown.status_code == 404
-    server.terminate()
-    assert server.proc.wait(30) == 0
+    assert server.proc.wait(30) == 1
 
 
 def test_engine_process_and_replicas_do_not_combine(tmp_path):

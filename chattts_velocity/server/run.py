@@ -60,6 +60,9 @@ class _DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state, self.timeout_s = state, timeout_s
         self.on_signal, self.ignore_sigint = on_signal, ignore_sigint
+        self.exit_code = 0
+        """1 once the engine is gone (``engine_lost``): the process exits non-zero, for its supervisor."""
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def handle_exit(self, sig, frame) -> None:
         if self.ignore_sigint and sig == signal.SIGINT:
@@ -80,6 +83,17 @@ class _DrainingServer(uvicorn.Server):
             logger.warning("shutdown timeout: %d responses still streaming are cut off", self.state.in_flight)
             self._loop.call_soon_threadsafe(self._cut_off)
         self.should_exit = True
+
+    def engine_lost(self, why: str) -> None:
+        """The engine process died: nothing can be generated any more. Stop now with exit code 1 (from any
+        thread) rather than answer 503 for ever: a supervisor (systemd, Docker, Kubernetes) restarts the server."""
+        logger.error("%s: the server stops (exit 1)", why)
+        self.exit_code = 1
+        self.state.draining = True
+        if self._loop is None:  # not serving yet: it stops as soon as it starts
+            self.force_exit = self.should_exit = True
+        else:
+            self._loop.call_soon_threadsafe(self._cut_off)
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -143,6 +157,7 @@ def serve_fronts(settings: ServeSettings) -> int:
                     process.terminate()
 
         server = _server(app, config, host, port, settings.log_level, on_signal=forward)
+        client.on_lost = server.engine_lost
         for i, process in enumerate(others, 1):
             threading.Thread(target=_watch_front, args=(process, i, counts, server), daemon=True).start()
         extra = f"; {fronts} HTTP front processes" if fronts > 1 else ""
@@ -152,7 +167,7 @@ def serve_fronts(settings: ServeSettings) -> int:
     finally:
         _stop_fronts(others, config, stopped_by_signal=server is not None and server.state.draining)
         client.close()
-    return 0
+    return server.exit_code
 
 
 def _stop_fronts(others: list, config: ServerConfig, stopped_by_signal: bool) -> None:
@@ -224,10 +239,13 @@ def _front_main(ends: FrontEnds, index: int, counts, config: ServerConfig, host:
     client.wait_ready()
     app = build_app(client, config, _admission(config, counts, index))
     freeze_long_lived()
+    server = _server(app, config, None, None, log_level, ignore_sigint=True)
+    client.on_lost = server.engine_lost
     try:
-        _server(app, config, None, None, log_level, ignore_sigint=True).run(sockets=[_listen(host, port)])
+        server.run(sockets=[_listen(host, port)])
     finally:
         client.close()
+    sys.exit(server.exit_code)
 
 
 def _die_with_parent() -> None:

@@ -73,6 +73,9 @@ class RemoteClient(EngineClient):
         self._ids = itertools.count()
         self._closing = False
         self._own: Callable[[], list] | None = None
+        self.on_lost: Callable[[str], None] | None = None
+        """Called (from a reader thread) with why, if the engine process exits while this front uses it: a
+        server stops then, so that its supervisor can restart it."""
         self._events = {Reply: self._on_reply, Failed: self._on_failed, Collect: self._on_collect,
                         VoiceAdded: self._on_voice}
 
@@ -280,6 +283,8 @@ class RemoteClient(EngineClient):
             audio.deliver(None, self.gone)
         for loop, future in waiting:
             _settle(loop, future, EngineGoneError(self.gone))
+        if not self._closing and self.on_lost is not None:
+            self.on_lost(self.gone)
 
 
 def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
