@@ -163,6 +163,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--ws-send-timeout", type=float, default=d.ws_send_timeout_s,
                    help="realtime socket: seconds a client may take to read one message before it is dropped "
                         "(default: %(default)s)")
+    s.add_argument("--send-timeout", type=float, default=d.send_timeout_s,
+                   help="seconds a client may take to read one chunk of a speech response before it is cut off and "
+                        "its slot freed (default: %(default)s)")
     s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="largest request body; beyond it 413 (default: %(default)s)")
     s.add_argument("--max-upload-bytes", type=int, default=d.max_upload_bytes,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import socket
@@ -154,3 +155,16 @@ def connection_owner(pids: list[int], port: int, client_port: int) -> int | None
     """Which of ``pids`` holds the server end of the connection from ``client_port`` to ``port``."""
     inodes = {inode for inode, (state, peer) in _tcp_sockets(port).items() if state == "open" and peer == client_port}
     return next((pid for pid in pids if _socket_inodes(pid) & inodes), None)
+
+
+def stalled_reader(url: str, body: dict) -> socket.socket:
+    """A client that sends a speech request (``body``) and never reads its response (a small receive buffer, so
+    the server's sends soon wait for it). Close it when done."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock

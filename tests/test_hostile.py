@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from server_helpers import API_KEY, ServerProcess
+from server_helpers import API_KEY, ServerProcess, stalled_reader
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GOOD_VOICE = "voice_0123456789abcdef"
@@ -165,3 +165,29 @@ def test_a_500_closes_its_connection(server, voices_dir):
     r = httpx.get(server.url + "/v1/audio/voices", headers=AUTH, timeout=10)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
     assert r.headers.get("connection") == "close"
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed(upstream_ckpt):
+    """One running slot, no queue: a client that sends a long request and reads nothing holds the slot only until
+    ``--send-timeout``; then an honest client is served (not a 429)."""
+    srv = ServerProcess(upstream_ckpt, "--max-concurrent", "1", "--max-queue", "0", "--send-timeout", "2",
+                        "--max-new-token", "400", "--min-new-token", "400")
+    text = " ".join(f"Sentence number {i} is spoken to a client that never reads it." for i in range(12))
+    sock = stalled_reader(srv.url, {"model": "tts-1", "voice": "echo", "input": text, "response_format": "pcm"})
+    honest = {"model": "tts-1", "voice": "echo", "input": "hi there", "response_format": "pcm"}
+    try:
+        deadline = time.monotonic() + 30
+        while "chattts_running_requests 1.0" not in httpx.get(srv.url + "/metrics").text:
+            assert time.monotonic() < deadline, "the stalled request never started"
+            time.sleep(0.1)
+        busy = httpx.post(srv.url + "/v1/audio/speech", json=honest, headers=AUTH, timeout=30)
+        assert busy.status_code == 429  # the stalled client holds the one slot
+        deadline, served = time.monotonic() + 40, None
+        while served is None and time.monotonic() < deadline:
+            r = httpx.post(srv.url + "/v1/audio/speech", json=honest, headers=AUTH, timeout=30)
+            served = r if r.status_code == 200 else None
+            time.sleep(0.5)
+        assert served is not None and served.content, "the slot was never given back"
+    finally:
+        sock.close()
+        srv.stop()

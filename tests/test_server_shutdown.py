@@ -3,15 +3,13 @@ process exits 0 (with ``--engine-process``, its engine process exits too)."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-from server_helpers import API_KEY, ServerProcess, engine_processes
+from server_helpers import API_KEY, ServerProcess, engine_processes, stalled_reader
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -65,25 +63,13 @@ def _zombie(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def _stalled_reader(url: str) -> socket.socket:
-    """A client that sends a long speech request and never reads its response."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    payload = json.dumps(body(1)).encode()
-    sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    return sock
-
-
 def test_shutdown_ends_with_a_reader_that_stalls_and_a_second_signal_ends_it_at_once(upstream_ckpt):
     """``--shutdown-timeout`` bounds the drain even when a client stopped reading; a second SIGTERM does not wait
     for the drain at all. Both exit 0."""
     for timeout_s, signals in (("2", 1), ("600", 2)):
         srv = ServerProcess(upstream_ckpt, "--max-new-token", "400", "--min-new-token", "400",
                             "--shutdown-timeout", timeout_s)
-        sock = _stalled_reader(srv.url)
+        sock = stalled_reader(srv.url, body(1))
         try:
             deadline = time.monotonic() + 30
             while httpx.get(srv.url + "/metrics").text.find("chattts_running_requests 1.0") < 0:

@@ -40,7 +40,7 @@ class SpeechState:
                  metric_labels: dict[str, str] | None = None):
         self.client, self.config, self.admission = client, config, admission
         self.metrics = Metrics(admission, metric_labels)
-        self.streams = Streams(self.metrics)
+        self.streams = Streams(self.metrics, config.send_timeout_s)
         self.draining = False
 
     @property

@@ -25,7 +25,7 @@ OPTIONS: dict[str, type] = {
     "host": str, "port": int, "api_key": str, "max_concurrent": int, "max_queue": int, "max_input_chars": int,
     "voices_dir": str, "max_new_token": int, "min_new_token": int, "shutdown_timeout": float, "keep_alive": int,
     "audio_round_ms": float, "log_level": str, "ws_max_contexts": int, "ws_idle_timeout": float,
-    "ws_send_timeout": float, "max_body_bytes": int, "max_upload_bytes": int,
+    "ws_send_timeout": float, "send_timeout": float, "max_body_bytes": int, "max_upload_bytes": int,
     # the engine
     "max_num_seqs": int, "kv_cache_gib": float, "engine_dtype": str, "max_window_tokens": int,
     # the topology
@@ -83,6 +83,9 @@ class ServerConfig:
     ws_send_timeout_s: float = 10.0
     """A realtime socket whose client takes longer than this to take one message (it stopped reading) is dropped,
     and its contexts cancelled."""
+    send_timeout_s: float = 30.0
+    """A speech response whose client takes longer than this to take one chunk (it stopped reading) is cut off,
+    its engine requests aborted and its slot given back."""
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent", "max_input_chars", "in_flight_sentences", "max_new_token", "retry_after_s",
@@ -96,7 +99,7 @@ class ServerConfig:
             raise ValueError(f"audio_round_ms must be within 0-1000, got {self.audio_round_ms!r}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s!r}")
-        for name in ("ws_idle_timeout_s", "ws_send_timeout_s"):
+        for name in ("ws_idle_timeout_s", "ws_send_timeout_s", "send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.api_key is None and os.environ.get(API_KEY_ENV):
@@ -202,7 +205,7 @@ class ServeSettings:
             min_new_token=o["min_new_token"], shutdown_timeout_s=o["shutdown_timeout"], keep_alive_s=o["keep_alive"],
             audio_round_ms=o["audio_round_ms"], ws_max_contexts=o["ws_max_contexts"],
             ws_idle_timeout_s=o["ws_idle_timeout"], ws_send_timeout_s=o["ws_send_timeout"],
-            max_body_bytes=o["max_body_bytes"], max_upload_bytes=o["max_upload_bytes"]))
+            send_timeout_s=o["send_timeout"], max_body_bytes=o["max_body_bytes"], max_upload_bytes=o["max_upload_bytes"]))
         if o["engine_dtype"] is not None and o["engine_dtype"] not in ENGINE_DTYPES:
             raise ValueError(f"engine_dtype must be one of {', '.join(ENGINE_DTYPES)}, got {o['engine_dtype']!r}")
         window = SERVE_WINDOW_TOKENS if o["max_window_tokens"] is None else o["max_window_tokens"]

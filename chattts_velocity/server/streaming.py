@@ -29,6 +29,7 @@ from .audio_format import CONTENT_TYPES, StreamEncoder
 from .metrics import Metrics
 from .realtime.context import AudioOut, DoneOut, FailedOut, SegmentOut, SpeechContext
 from .schema import SpeechRequest
+from .timeouts import within
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +96,9 @@ class Streams:
     keeps what worker threads freed in their arenas: ``tests/test_server_load.py`` watches the server's size
     over many requests)."""
 
-    def __init__(self, metrics: Metrics):
-        self.metrics = metrics
+    def __init__(self, metrics: Metrics, send_timeout_s: float = 30.0):
+        """``send_timeout_s``: how long a client may take to read one chunk (``ServerConfig.send_timeout_s``)."""
+        self.metrics, self.send_timeout_s = metrics, send_timeout_s
         self.in_flight = 0
         """Speech bodies started and not yet done."""
         self._wakeups: Wakeups | None = None
@@ -116,9 +118,9 @@ class Streams:
         Every format is sent as it is encoded (OpenAI's endpoint streams its body too; wav with an open-ended
         header), so the SDK's plain ``create`` and its streaming response read the same bytes."""
         if body.stream_format == "sse":
-            return Admitted(self._sse(body, audio, ticket), ticket, audio, "text/event-stream")
+            return Admitted(self._sse(body, audio, ticket), ticket, audio, "text/event-stream", self.send_timeout_s)
         content = self._encoded(body, audio, ticket, wakeup)
-        return Admitted(content, ticket, audio, CONTENT_TYPES[body.response_format])
+        return Admitted(content, ticket, audio, CONTENT_TYPES[body.response_format], self.send_timeout_s)
 
     async def _chunks(self, audio: RequestAudio, ticket: Ticket, wakeup: Wakeup | None) -> AsyncIterator[np.ndarray]:
         """``audio``'s chunks inside an admission slot, read on the event loop: the engine's thread calls back
@@ -227,13 +229,23 @@ class Admitted(StreamingResponse):
     """Gives the ticket's queue place (or the slot it took early) back and cancels the audio if the body never
     started (the client left first)."""
 
-    def __init__(self, content, ticket: Ticket, audio: RequestAudio | SpeechContext, media_type: str):
+    def __init__(self, content, ticket: Ticket, audio: RequestAudio | SpeechContext, media_type: str,
+                 send_timeout_s: float):
         super().__init__(content, media_type=media_type)
-        self.ticket, self.audio = ticket, audio
+        self.ticket, self.audio, self.send_timeout_s = ticket, audio, send_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
+        async def bounded(message) -> None:
+            """A client that takes no chunk for ``send_timeout_s`` stopped reading: cut it off (the body's
+            ``finally`` aborts its engine requests and gives its slot back)."""
+            try:
+                await within(send(message), self.send_timeout_s)
+            except TimeoutError:
+                logger.warning("a client read nothing for %g s: its response is cut off", self.send_timeout_s)
+                raise
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded)
         finally:
             self.ticket.cancel()
             self.ticket.release()

@@ -24,6 +24,7 @@ from ...serving.voices import UnknownVoiceError
 from ..admission import QueueFullError, Ticket
 from ..audio_format import encode_all
 from ..prepare import code_params
+from ..timeouts import within
 from .context import AudioOut, DoneOut, FailedOut, SegmentOut, SpeechContext
 from .protocol import (
     DEFAULT_VOICE,
@@ -291,18 +292,3 @@ class Session:
         wait = 1.0 if self.reason == "send_timeout" else self.config.ws_send_timeout_s
         with contextlib.suppress(TimeoutError, WebSocketDisconnect, RuntimeError):
             await within(self.ws.close(code), wait)
-
-
-async def within(aw, timeout: float):
-    """``aw``'s result if it comes within ``timeout`` s, else ``TimeoutError`` (``aw`` cancelled). Not
-    ``asyncio.wait_for``: before Python 3.12 it swallows a cancellation that arrives as ``aw`` completes."""
-    task = asyncio.ensure_future(aw)
-    try:
-        done, _ = await asyncio.wait([task], timeout=timeout)
-    except BaseException:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        raise TimeoutError
-    return task.result()
