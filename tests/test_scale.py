@@ -342,7 +342,7 @@ def test_a_killed_replica_fails_only_its_streams_and_serve_replaces_it(server):
 
 
 def test_bench_serve_drives_the_replicas(server):
-    """What ``benchmarks/gpu_scale.sh`` runs on two GPUs, here on two CPU replicas."""
+    """What the scale-out measurement (docs/perf/scale.md) runs on two GPUs, here on two CPU replicas."""
     from chattts_velocity.bench.serve import ServeBenchConfig, run_and_report
 
     rows = run_and_report(ServeBenchConfig(url=server.url, streams=(1, 4), requests_per_stream=1, api_key=API_KEY,

@@ -81,8 +81,19 @@ class _DrainingServer(uvicorn.Server):
             time.sleep(0.05)
         if self.state.in_flight:  # time is up: no more waiting for bodies (a client that stopped reading)
             logger.warning("shutdown timeout: %d responses still streaming are cut off", self.state.in_flight)
-            self._loop.call_soon_threadsafe(self._cut_off)
+            self._call(self._cut_off)
         self.should_exit = True
+        # a connection whose response ended but whose client reads nothing keeps unsent bytes, and uvicorn's
+        # shutdown would wait for it to close: once the timeout is over, cut off whatever is still open
+        time.sleep(max(0.0, deadline - time.monotonic()) + 1.0)
+        self._call(self._cut_off)
+
+    def _call(self, fn) -> None:
+        """Run ``fn`` on the event loop, unless the server stopped already (its loop closed)."""
+        try:
+            self._loop.call_soon_threadsafe(fn)
+        except (AttributeError, RuntimeError):
+            pass
 
     def engine_lost(self, why: str) -> None:
         """The engine process died: nothing can be generated any more. Stop now with exit code 1 (from any
