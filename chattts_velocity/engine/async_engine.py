@@ -264,10 +264,11 @@ class AsyncLLMEngine:
             self.engine.add_sequence(seq)
         for rid in aborts:
             self.engine.abort_request(rid)
-        now = time.monotonic()
-        for t in asked:
-            if t is not None:
-                self._abort_wait.observe(now - t)
+        if aborts:  # (most turns have none: no clock read for them)
+            now = time.monotonic()
+            for t in asked:
+                if t is not None:
+                    self._abort_wait.observe(now - t)
 
     def _fail_all(self, err: Exception) -> list[RequestOutput]:
         outputs = []
