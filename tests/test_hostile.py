@@ -1,11 +1,13 @@
 """The speech server against careless and hostile clients, one live server on 127.0.0.1 over a tiny checkpoint:
 bodies past the cap (declared and chunked) are 413 before they are read, an hour-long voice sample is refused
 from its header, unknown paths share one metrics series, a corrupt file in the voices folder is skipped, and a
-500 closes its connection."""
+500 closes its connection, a connection that sends its headers or body too slowly gets 408 and is closed, and
+one connection past the cap is refused at once."""
 
 from __future__ import annotations
 
 import json
+import select
 import shutil
 import socket
 import time
@@ -21,6 +23,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GOOD_VOICE = "voice_0123456789abcdef"
 CORRUPT_VOICE = "voice_fedcba9876543210"
 MiB = 1 << 20
+HEADER_TIMEOUT_S = 1.5
+BODY_TIMEOUT_S = 3.0
+MAX_CONNECTIONS = 12
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +40,9 @@ def voices_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(voices_dir, tmp_path_factory, upstream_ckpt):
     log = tmp_path_factory.mktemp("log") / "server.log"
-    srv = ServerProcess(upstream_ckpt, "--max-new-token", "16", "--voices-dir", str(voices_dir), log_path=str(log))
+    srv = ServerProcess(upstream_ckpt, "--max-new-token", "16", "--voices-dir", str(voices_dir), "--header-timeout",
+                        str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S), "--max-connections",
+                        str(MAX_CONNECTIONS), log_path=str(log))
     srv.log_file = log
     yield srv
     assert srv.stop() == 0
@@ -191,3 +198,83 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed(upstream_ckpt
     finally:
         sock.close()
         srv.stop()
+
+
+def _connect(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=15)
+
+
+def _assert_timed_out(sock: socket.socket, started: float, within: float) -> None:
+    status, headers, body = _response(sock)
+    assert status == 408, (status, body)
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert headers.get("connection") == "close"
+    assert time.monotonic() - started < within
+    assert sock.recv(1) == b""  # and closed
+
+
+def test_a_connection_that_sends_nothing_gets_408_and_is_closed(server):
+    started = time.monotonic()
+    with _connect(server) as sock:
+        _assert_timed_out(sock, started, HEADER_TIMEOUT_S + 3)
+        assert time.monotonic() - started >= HEADER_TIMEOUT_S - 0.1
+
+
+def test_headers_sent_a_byte_at_a_time_get_408_by_the_deadline(server):
+    head = f"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n".encode()
+    started = time.monotonic()
+    with _connect(server) as sock:
+        for i in range(len(head)):  # a byte every 0.2 s: the whole head would take far past the deadline
+            try:
+                sock.sendall(head[i:i + 1])
+            except OSError:  # closed under us: the response is waiting
+                break
+            if select.select([sock], [], [], 0.2)[0]:
+                break
+        _assert_timed_out(sock, started, HEADER_TIMEOUT_S + 3)
+
+
+def test_a_kept_alive_connection_has_the_deadline_for_its_next_request(server):
+    with _connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, _ = _response(sock)
+        assert status == 200
+        time.sleep(HEADER_TIMEOUT_S + 0.5)  # idle between requests: the keep-alive timeout's, not this one
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _response(sock)[0] == 200
+        started = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHo")  # the third request's head, never finished
+        _assert_timed_out(sock, started, HEADER_TIMEOUT_S + 3)
+
+
+def test_a_body_that_trickles_gets_408(server):
+    payload = json.dumps({"model": "tts-1", "voice": "alloy", "input": "Hello there.", "response_format": "pcm"})
+    sock = _open(server, "POST", "/v1/audio/speech", {**AUTH, "Content-Type": "application/json",
+                                                      "Content-Length": str(len(payload))})
+    started = time.monotonic()
+    with sock:
+        for i in range(len(payload)):  # a byte every 0.2 s: the body would take far past its deadline
+            sock.sendall(payload[i:i + 1].encode())
+            if select.select([sock], [], [], 0.2)[0]:
+                break
+        status, headers, body = _response(sock)
+        assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout", (status, body)
+        assert headers.get("connection") == "close"
+        assert BODY_TIMEOUT_S - 0.1 <= time.monotonic() - started < BODY_TIMEOUT_S + 3
+    assert 'status="408"' in "".join(_request_series(server))
+
+
+def test_a_connection_past_the_cap_is_refused_at_once(server):
+    socks = [_connect(server) for _ in range(MAX_CONNECTIONS + 1)]
+    try:
+        time.sleep(0.5)
+        refused = [s for s in socks if select.select([s], [], [], 0)[0]]
+        assert len(refused) == 1, f"{len(refused)} of {len(socks)} connections answered before the deadline"
+        status, headers, body = _response(refused[0])
+        assert status == 503 and json.loads(body)["error"]["code"] == "too_many_connections", (status, body)
+        assert headers.get("connection") == "close"
+    finally:
+        for sock in socks:
+            sock.close()
+    time.sleep(0.3)  # the server sees them close
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200

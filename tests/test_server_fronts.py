@@ -1,7 +1,8 @@
 """``serve --fronts 2``: two HTTP front processes over one engine process on one port. Both take connections,
 admission limits hold over both, ``/metrics`` counts every front's requests whichever answers, a voice
-registered through one is known to the other, a front that dies leaves the other serving (its requests
-aborted, its admission counts zeroed), and SIGTERM drains every front and exits 0."""
+registered through one is known to the other, a front that dies is replaced (its requests aborted, its
+admission counts zeroed; the new one knows the voices registered before it), and SIGTERM drains every front
+and exits 0."""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ def body(text: str = "One short sentence.", seed: int = 1, voice: str = "echo") 
 
 
 @pytest.fixture(scope="module")
-def server(upstream_ckpt):
+def server(upstream_ckpt, tmp_path_factory):
+    log = tmp_path_factory.mktemp("log") / "server.log"
     srv = ServerProcess(upstream_ckpt, "--fronts", "2", "--max-new-token", str(TOKENS), "--min-new-token",
-                        str(TOKENS), "--max-concurrent", "1", "--max-queue", "1")
+                        str(TOKENS), "--max-concurrent", "1", "--max-queue", "1", log_path=str(log))
+    srv.log_path = log
     srv.fronts = []
     deadline = time.monotonic() + 60
     while len(srv.fronts) < 2:  # the second front listens once it has the engine's kit
@@ -90,7 +93,7 @@ def test_a_voice_registered_through_one_front_is_known_to_both(server):
     r = httpx.post(server.url + "/v1/audio/voices", headers=AUTH, timeout=60, data={"transcript": "a sample"},
                    files={"audio": ("sample.wav", make_sample(), "audio/wav")})
     assert r.status_code == 201
-    vid = r.json()["id"]
+    vid = server.voice = r.json()["id"]
     for seed in range(8):  # fresh connections: both fronts, w.h.p.
         listed = httpx.get(server.url + "/v1/audio/voices", headers=AUTH, timeout=10).json()["voices"]
         assert vid in {v["id"] for v in listed}
@@ -98,16 +101,21 @@ def test_a_voice_registered_through_one_front_is_known_to_both(server):
         assert r.status_code == 200 and len(r.content) > 0
 
 
-def test_a_front_that_dies_leaves_the_other_serving(server):
-    child = next(pid for pid in server.fronts if pid != server.proc.pid)
-    for _ in range(40):  # a connection to the child front (kept open: the request below goes down it)
+def _connection_to(server, pid: int) -> httpx.Client:
+    """A client whose kept-alive connection the front ``pid`` holds."""
+    for _ in range(60):
         client = httpx.Client(timeout=60)
         r = client.get(server.url + "/health")
-        if connection_owner(server.fronts, server.port, r.extensions["network_stream"].get_extra_info("client_addr")[1]) == child:
-            break
+        if connection_owner(server.fronts, server.port, r.extensions["network_stream"].get_extra_info("client_addr")[1]) == pid:
+            return client
         client.close()
-    else:
-        pytest.fail("no connection reached the second front")
+    pytest.fail(f"no connection reached front {pid}")
+
+
+def test_a_front_that_dies_is_replaced_its_requests_aborted(server):
+    voice = server.voice  # registered through one front, in memory (no voices folder)
+    child = next(pid for pid in server.fronts if pid != server.proc.pid)
+    client = _connection_to(server, child)
     with client.stream("POST", server.url + "/v1/audio/speech", json=body(LONG), headers=AUTH) as r:
         assert r.status_code == 200
         chunks = r.iter_bytes()
@@ -121,9 +129,23 @@ def test_a_front_that_dies_leaves_the_other_serving(server):
     while metric(server.url, "chattts_running_requests", AUTH) or metric(server.url, "chattts_kv_blocks_used", AUTH):
         assert time.monotonic() < deadline, "the dead front's slot or its engine requests were kept"
         time.sleep(0.2)
-    for seed in range(6):  # the slot it held is free again, and the kernel routes to the live front only
-        r = httpx.post(server.url + "/v1/audio/speech", json=body(seed=seed), headers=AUTH, timeout=60)
-        assert r.status_code == 200
+    deadline = time.monotonic() + 90
+    while True:  # a new front process takes its place on the port
+        fronts = listening_pids([server.proc.pid, *engine_processes(server.proc.pid)], server.port)
+        if len(fronts) == 2 and child not in fronts:
+            break
+        assert time.monotonic() < deadline, f"no front replaced the dead one: {fronts}"
+        time.sleep(0.2)
+    server.fronts = fronts
+    new = next(pid for pid in fronts if pid != server.proc.pid)
+    client = _connection_to(server, new)
+    try:  # the new front serves, with the voice registered before it
+        r = client.post(server.url + "/v1/audio/speech", json=body(voice=voice), headers=AUTH)
+        assert r.status_code == 200 and len(r.content) > 0
+        assert voice in {v["id"] for v in client.get(server.url + "/v1/audio/voices", headers=AUTH).json()["voices"]}
+    finally:
+        client.close()
+    assert "exited with -9: started a new one" in server.log_path.read_text()
 
 
 def test_sigterm_drains_the_fronts_and_exits_0(server):

@@ -17,7 +17,7 @@ import anyio
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
-from ..serving.client import EngineClient
+from ..serving.client import EngineClient, EngineGoneError
 from ..serving.voices import UnknownVoiceError, read_sample
 from .admission import Admission, QueueFullError
 from .errors import ApiKeyAuth, BodyLimit, install_error_handlers
@@ -28,7 +28,10 @@ from .realtime.route import install_realtime
 from .schema import OPENAI_MODELS, SpeechRequest, error
 from .settings import ServerConfig
 from .streaming import Streams
+from .timeouts import within
 
+STATS_WAIT_S = 5.0
+"""How long ``/metrics`` waits for the engine's stats."""
 ENDPOINTS = ["/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/metrics"]
 
 
@@ -62,7 +65,7 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, admissio
     app.state.speech = state
     install_error_handlers(app, state.metrics)
     app.add_middleware(BodyLimit, max_body=config.max_body_bytes, max_upload=config.max_upload_bytes,
-                       metrics=state.metrics)
+                       metrics=state.metrics, timeout_s=config.body_timeout_s)
     if config.api_key:
         app.add_middleware(ApiKeyAuth, key=config.api_key, metrics=state.metrics)
 
@@ -81,7 +84,11 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, admissio
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        body, content_type = state.metrics.render(await client.stats(), await client.peer_metrics())
+        try:  # a hung engine must not hang the scrape: the scrape fails (503), as /health says why
+            stats = await within(client.stats(), STATS_WAIT_S)
+        except TimeoutError:
+            raise EngineGoneError(f"the engine did not report its stats within {STATS_WAIT_S:g} s") from None
+        body, content_type = state.metrics.render(stats, await client.peer_metrics())
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")

@@ -1,10 +1,11 @@
 """How the speech server says no: OpenAI's error body for invalid requests, HTTP errors, a gone engine and
-anything unexpected (never a traceback; its connection closed), the API key check and the request-body cap. Each
-refusal is counted in ``/metrics`` under its route's template."""
+anything unexpected (never a traceback; its connection closed), the API key check, and the request body's cap
+and deadline. Each refusal is counted in ``/metrics`` under its route's template."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..serving.client import EngineGoneError
 from .metrics import Metrics, route_label
 from .schema import error
+from .timeouts import within
 
 UPLOAD_ROUTE = ("POST", "/v1/audio/voices")
 """The one route whose body is a file (multipart): it has the upload cap, every other the body cap."""
@@ -27,6 +29,13 @@ class BodyTooLargeError(StarletteHTTPException):
     def __init__(self, limit: int):
         super().__init__(413, f"the request body is larger than {limit} bytes")
         self.limit = limit
+
+
+class BodyTimeoutError(StarletteHTTPException):
+    """A request body that did not arrive within its deadline (raised while the app reads it)."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(408, f"the request body did not arrive within {timeout_s:g} s")
 
 
 def too_large(limit: int) -> Response:
@@ -63,6 +72,11 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         metrics.count(route_label(request.scope), 413)
         return too_large(exc.limit)
 
+    @app.exception_handler(BodyTimeoutError)
+    async def _too_slow(request: Request, exc: BodyTimeoutError) -> Response:
+        metrics.count(route_label(request.scope), 408)
+        return error(408, str(exc.detail), code="request_timeout", headers={"Connection": "close"})
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s", request.url.path)
@@ -93,11 +107,12 @@ class ApiKeyAuth:
 
 class BodyLimit:
     """At most ``max_body`` bytes of request body (``max_upload`` for a voice upload), else 413: at once when
-    ``Content-Length`` says more, and as soon as a chunked body passes the cap, reading no further. A plain ASGI
-    middleware, like ``ApiKeyAuth``."""
+    ``Content-Length`` says more, and as soon as a chunked body passes the cap, reading no further. The whole
+    body within ``timeout_s`` of the headers, else 408. A plain ASGI middleware, like ``ApiKeyAuth``."""
 
-    def __init__(self, app, max_body: int, max_upload: int, metrics: Metrics):
+    def __init__(self, app, max_body: int, max_upload: int, metrics: Metrics, timeout_s: float = 60.0):
         self.app, self.max_body, self.max_upload, self.metrics = app, max_body, max_upload, metrics
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -109,15 +124,22 @@ class BodyLimit:
             self.metrics.count(route_label(scope), 413)
             await too_large(limit)(scope, receive, send)
             return
-        seen, started = 0, False
+        seen, started, complete = 0, False, False
+        deadline = time.monotonic() + self.timeout_s
 
         async def capped_receive():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:  # the body is in: what follows is the wait for a disconnect, which has no deadline
+                return await receive()
+            try:
+                message = await within(receive(), deadline - time.monotonic())
+            except TimeoutError:
+                raise BodyTimeoutError(self.timeout_s) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     raise BodyTooLargeError(limit)
+                complete = not message.get("more_body", False)
             return message
 
         async def watched_send(message) -> None:
@@ -132,3 +154,9 @@ class BodyLimit:
                 raise
             self.metrics.count(route_label(scope), 413)
             await too_large(limit)(scope, receive, send)
+        except BodyTimeoutError as e:
+            if started:
+                raise
+            self.metrics.count(route_label(scope), 408)
+            await error(408, str(e.detail), code="request_timeout", headers={"Connection": "close"})(
+                scope, receive, send)

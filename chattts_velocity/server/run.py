@@ -6,7 +6,9 @@ finish (up to ``shutdown_timeout_s``), then the process exits 0. A second signal
 - An engine process with N HTTP fronts (``serve_fronts``; ``--engine-process`` is its one-front case, ``--fronts
   N`` more): each front is a process with a listening socket of its own on the same port (``SO_REUSEPORT``: the
   kernel spreads new connections over them), all admitting against the same limits. This process is the first
-  front; it forwards its signals to the others and stops the engine process once they all exited.
+  front; it forwards its signals to the others, starts a new front in place of one that dies (``Respawner``:
+  a front that keeps dying stops the server with exit 1 instead), and stops the engine process once they all
+  exited. A dead engine process stops the server with exit 1 (``engine_lost``), for its supervisor.
 - Ray Serve replicas (``scale.run``), each a whole one-process server."""
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from ..gc_freeze import freeze_long_lived
+from ..serving.client import EngineGoneError
 from ..serving.engine_process.host import EngineSettings
 from ..serving.engine_process.messages import FrontEnds
 from ..serving.engine_process.remote import RemoteClient
@@ -33,6 +36,7 @@ from ..serving.load import load_chat
 from ..serving.local import LocalClient
 from .admission import Admission, forget_front, shared_counts
 from .app import build_app
+from .connections import uvicorn_protocol
 from .settings import ServerConfig, ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -95,6 +99,16 @@ class _DrainingServer(uvicorn.Server):
         except (AttributeError, RuntimeError):
             pass
 
+    def fail(self, why: str) -> None:
+        """Part of the server died (an HTTP front process): drain as on SIGTERM, every front with it, then exit
+        1, for a supervisor to restart the whole server (a front cannot be replaced: the engine process's pipes
+        are made once, at start)."""
+        if self.state.draining:
+            return
+        logger.error("%s: the server drains and stops (exit 1)", why)
+        self.exit_code = 1
+        self.handle_exit(signal.SIGTERM, None)
+
     def engine_lost(self, why: str) -> None:
         """The engine process died: nothing can be generated any more. Stop now with exit code 1 (from any
         thread) rather than answer 503 for ever: a supervisor (systemd, Docker, Kubernetes) restarts the server."""
@@ -145,15 +159,11 @@ def serve_fronts(settings: ServeSettings) -> int:
     port = sock.getsockname()[1] if sock is not None else settings.port
     engine = EngineSettings(voices_dir=config.voices_dir, audio_round_ms=config.audio_round_ms,
                             threads=settings.threads, log_level=settings.log_level)
-    client = RemoteClient.start_engine(settings.load, engine, fronts=fronts)
+    client = RemoteClient.start_engine(settings.load, engine, fronts=fronts, beat_timeout_s=config.engine_timeout_s)
     counts = shared_counts(fronts) if fronts > 1 else None
     ctx = mp.get_context("spawn")
-    others = [ctx.Process(target=_front_main, name=f"chattts-velocity-front-{i}", daemon=True,
-                          args=(ends, i, counts, config, host, port, settings.log_level))
-              for i, ends in enumerate(client.peers, 1)]
-    for process, ends in zip(others, client.peers, strict=True):
-        process.start()
-        ends.close()  # the front's now: when it exits, the engine process sees its pipes close
+    front_args = counts, config, host, port, settings.log_level
+    others = [_start_front(ctx, ends, i, front_args) for i, ends in enumerate(client.peers, 1)]
     server = None
     try:
         info = client.wait_ready()
@@ -169,8 +179,9 @@ def serve_fronts(settings: ServeSettings) -> int:
 
         server = _server(app, config, host, port, settings.log_level, on_signal=forward)
         client.on_lost = server.engine_lost
-        for i, process in enumerate(others, 1):
-            threading.Thread(target=_watch_front, args=(process, i, counts, server), daemon=True).start()
+        respawner = Respawner(server, client, others, lambda ends, i: _start_front(ctx, ends, i, front_args), counts)
+        for i in range(1, fronts):
+            threading.Thread(target=respawner.watch, args=(i,), name=f"chattts-velocity-watch-{i}", daemon=True).start()
         extra = f"; {fronts} HTTP front processes" if fronts > 1 else ""
         print(f"serving on http://{host}:{port} (OpenAI /v1/audio/speech; engine process {client.process.pid} on "
               f"{info.device}{extra})", flush=True)
@@ -179,6 +190,51 @@ def serve_fronts(settings: ServeSettings) -> int:
         _stop_fronts(others, config, stopped_by_signal=server is not None and server.state.draining)
         client.close()
     return server.exit_code
+
+
+def _start_front(ctx, ends: FrontEnds, index: int, args: tuple) -> mp.Process:
+    process = ctx.Process(target=_front_main, name=f"chattts-velocity-front-{index}", daemon=True,
+                          args=(ends, index, *args))
+    process.start()
+    ends.close()  # the front's now: when it exits, the engine process sees its pipes close
+    return process
+
+
+class Respawner:
+    """Watches the other fronts' processes (``others[i - 1]`` is front ``i``) from the first front: one that
+    exits while the server is not stopping has its admission counts zeroed (the engine process cancels its
+    requests when its pipes close) and is started anew over new pipes (``RemoteClient.add_front``), unless it
+    died ``MAX_DEATHS`` times within ``WINDOW_S``: then the server drains and exits 1 (``fail``), for its
+    supervisor, rather than restart a front that cannot live."""
+
+    MAX_DEATHS = 3
+    WINDOW_S = 60.0
+
+    def __init__(self, server: _DrainingServer, client: RemoteClient, others: list, start, counts):
+        """``start(ends, index)``: a new front process over ``ends``."""
+        self.server, self.client, self.others, self.start, self.counts = server, client, others, start, counts
+        self._deaths: dict[int, list[float]] = {}
+
+    def watch(self, index: int) -> None:
+        """Until the server stops: wait for front ``index``'s process to exit, then replace it."""
+        while True:
+            process = self.others[index - 1]
+            process.join()
+            if self.server.state.draining or self.server.should_exit:
+                return
+            forget_front(self.counts, index)
+            why = f"HTTP front process {index} (pid {process.pid}) exited with {process.exitcode}"
+            now = time.monotonic()
+            deaths = self._deaths[index] = [t for t in self._deaths.get(index, []) if now - t < self.WINDOW_S] + [now]
+            if len(deaths) >= self.MAX_DEATHS:
+                self.server.fail(f"{why}, its {len(deaths)}th exit within {self.WINDOW_S:g} s")
+                return
+            try:
+                self.others[index - 1] = self.start(self.client.add_front(index), index)
+            except (EngineGoneError, OSError) as e:
+                self.server.fail(f"{why}, and a new one could not start ({e})")
+                return
+            logger.error("%s: started a new one (pid %d)", why, self.others[index - 1].pid)
 
 
 def _stop_fronts(others: list, config: ServerConfig, stopped_by_signal: bool) -> None:
@@ -202,7 +258,8 @@ def _admission(config: ServerConfig, counts, index: int) -> Admission:
 def _server(app: FastAPI, config: ServerConfig, host: str | None, port: int | None, log_level: str,
             on_signal=None, ignore_sigint: bool = False) -> _DrainingServer:
     kw = {} if host is None else dict(host=host, port=port)
-    uvi = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=config.keep_alive_s, **kw)
+    uvi = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=config.keep_alive_s,
+                         http=uvicorn_protocol(config), **kw)
     return _DrainingServer(uvi, app.state.speech, config.shutdown_timeout_s, on_signal, ignore_sigint)
 
 
@@ -231,22 +288,13 @@ def _listen(host: str, port: int, alone: bool = False) -> socket.socket:
     return sock
 
 
-def _watch_front(process, index: int, counts, server: _DrainingServer) -> None:
-    """Log a front process that exits while the server is not stopping, and zero its admission counts (the
-    engine process cancels its requests when its pipes close)."""
-    process.join()
-    if not server.state.draining and not server.should_exit:
-        logger.error("HTTP front process %d exited with %s; the other fronts go on serving", index, process.exitcode)
-        forget_front(counts, index)
-
-
 def _front_main(ends: FrontEnds, index: int, counts, config: ServerConfig, host: str, port: int,
                 log_level: str) -> None:
     """A front process other than the first (``serve_fronts``): the app over its own ``RemoteClient``, on its
     own socket of the same port. Its signals come from the first front."""
     _die_with_parent()
     logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s [front {index}] %(name)s: %(message)s")
-    client = RemoteClient(ends, index=index, voices_dir=config.voices_dir)
+    client = RemoteClient(ends, index=index, voices_dir=config.voices_dir, beat_timeout_s=config.engine_timeout_s)
     client.wait_ready()
     app = build_app(client, config, _admission(config, counts, index))
     freeze_long_lived()

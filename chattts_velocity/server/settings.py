@@ -26,6 +26,7 @@ OPTIONS: dict[str, type] = {
     "voices_dir": str, "max_new_token": int, "min_new_token": int, "shutdown_timeout": float, "keep_alive": int,
     "audio_round_ms": float, "log_level": str, "ws_max_contexts": int, "ws_idle_timeout": float,
     "ws_send_timeout": float, "send_timeout": float, "max_body_bytes": int, "max_upload_bytes": int,
+    "header_timeout": float, "body_timeout": float, "max_connections": int, "engine_timeout": float,
     # the engine
     "max_num_seqs": int, "kv_cache_gib": float, "engine_dtype": str, "max_window_tokens": int,
     # the topology
@@ -86,10 +87,21 @@ class ServerConfig:
     send_timeout_s: float = 30.0
     """A speech response whose client takes longer than this to take one chunk (it stopped reading) is cut off,
     its engine requests aborted and its slot given back."""
+    header_timeout_s: float = 10.0
+    """A connection must send a request's headers within this long of opening (or of the request's first byte on
+    a kept-alive connection), else 408 and closed: a client that sends nothing, or a byte now and then, does not
+    keep a connection for ever."""
+    body_timeout_s: float = 60.0
+    """A request's whole body must arrive within this long of its headers, else 408."""
+    max_connections: int = 2048
+    """Open client connections per HTTP front (per process); one past it is answered 503 and closed at once."""
+    engine_timeout_s: float = 10.0
+    """With an engine process: how long it may go without a heartbeat before ``/health`` says it hangs (503) and
+    new requests are refused."""
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent", "max_input_chars", "in_flight_sentences", "max_new_token", "retry_after_s",
-                     "keep_alive_s", "ws_max_contexts", "max_body_bytes", "max_upload_bytes"):
+                     "keep_alive_s", "ws_max_contexts", "max_body_bytes", "max_upload_bytes", "max_connections"):
             _check_int(name, getattr(self, name), 1)
         _check_int("min_new_token", self.min_new_token, 0)
         if self.min_new_token > self.max_new_token:
@@ -99,7 +111,8 @@ class ServerConfig:
             raise ValueError(f"audio_round_ms must be within 0-1000, got {self.audio_round_ms!r}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s!r}")
-        for name in ("ws_idle_timeout_s", "ws_send_timeout_s", "send_timeout_s"):
+        for name in ("ws_idle_timeout_s", "ws_send_timeout_s", "send_timeout_s", "header_timeout_s", "body_timeout_s",
+                     "engine_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.api_key is None and os.environ.get(API_KEY_ENV):
@@ -205,7 +218,9 @@ class ServeSettings:
             min_new_token=o["min_new_token"], shutdown_timeout_s=o["shutdown_timeout"], keep_alive_s=o["keep_alive"],
             audio_round_ms=o["audio_round_ms"], ws_max_contexts=o["ws_max_contexts"],
             ws_idle_timeout_s=o["ws_idle_timeout"], ws_send_timeout_s=o["ws_send_timeout"],
-            send_timeout_s=o["send_timeout"], max_body_bytes=o["max_body_bytes"], max_upload_bytes=o["max_upload_bytes"]))
+            send_timeout_s=o["send_timeout"], max_body_bytes=o["max_body_bytes"], max_upload_bytes=o["max_upload_bytes"],
+            header_timeout_s=o["header_timeout"], body_timeout_s=o["body_timeout"],
+            max_connections=o["max_connections"], engine_timeout_s=o["engine_timeout"]))
         if o["engine_dtype"] is not None and o["engine_dtype"] not in ENGINE_DTYPES:
             raise ValueError(f"engine_dtype must be one of {', '.join(ENGINE_DTYPES)}, got {o['engine_dtype']!r}")
         window = SERVE_WINDOW_TOKENS if o["max_window_tokens"] is None else o["max_window_tokens"]

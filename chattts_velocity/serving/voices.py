@@ -91,6 +91,11 @@ class VoiceRegistry:
         with self._lock:
             return [*self._builtin.values(), *self._registered.values()]
 
+    def registered(self) -> list[Voice]:
+        """The voices registered (here or elsewhere), not the built-in ones."""
+        with self._lock:
+            return list(self._registered.values())
+
     def resolve(self, voice) -> Voice:
         """A voice name or id, ``{"id": ...}``, or a ChatTTS speaker string."""
         key = voice.get("id") if isinstance(voice, dict) else voice

@@ -15,12 +15,16 @@ import logging
 import multiprocessing.connection as mp_connection
 import signal
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..load import load_chat
 from ..local import LocalClient
 from .messages import (
+    BEAT_S,
+    AddFront,
+    Beat,
     Call,
     Cancel,
     Collect,
@@ -67,6 +71,7 @@ def engine_main(load: dict, settings: EngineSettings, ends: list[EngineEnds]) ->
     chat = load_chat(load, settings.warmup, settings.audio_round_ms, settings.threads)
     host = EngineHost(LocalClient(chat, settings.voices_dir, owns_chat=True), ends)
     host.announce()
+    host.start_beating()
     try:
         host.serve()
     finally:
@@ -98,7 +103,7 @@ class EngineHost:
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="chattts-velocity-calls", daemon=True).start()
         self._handlers = {Start: self._start, Cancel: self._cancel, Call: self._call, Collected: self._collected,
-                          Stop: self._leave}
+                          Stop: self._leave, AddFront: self._add_front}
         self._calls = {Refine: self._refine, RegisterVoice: self._register, Stats: self._stats,
                        PeerMetrics: self._peer_metrics}
 
@@ -107,12 +112,28 @@ class EngineHost:
         for front in self.fronts:
             front.send(Ready(self.client.info, self.client.kit))
 
+    def start_beating(self) -> None:
+        """Send every open front a ``Beat`` every ``BEAT_S`` until they all left: a front that stops hearing
+        them knows this process hangs (or was stopped), which no pipe would tell it."""
+
+        def beat() -> None:
+            while any(front.open for front in self.fronts):
+                health = self.client.health()
+                for front in self.fronts:
+                    if front.open:
+                        front.send(Beat(health))
+                time.sleep(BEAT_S)
+
+        threading.Thread(target=beat, name="chattts-velocity-beat", daemon=True).start()
+
     def serve(self) -> None:
         """Handle the fronts' messages until every front said stop or went away."""
-        by_conn = {front.ends.cmd: front for front in self.fronts}
         try:
             while any(front.open for front in self.fronts):
-                for conn in mp_connection.wait([front.ends.cmd for front in self.fronts if front.open]):
+                by_conn = {front.ends.cmd: front for front in self.fronts if front.open}  # fronts may be replaced
+                for conn in mp_connection.wait(list(by_conn)):
+                    if not by_conn[conn].open:  # replaced within this pass
+                        continue
                     msg = self._receive(by_conn[conn])
                     if msg is not None:
                         self.dispatch(by_conn[conn], msg)
@@ -169,6 +190,19 @@ class EngineHost:
         for future in calls:
             future.cancel()
         self._loop.call_soon_threadsafe(self._forget, front.index)
+
+    def _add_front(self, front: Front, msg: AddFront) -> None:
+        """A new front in place of one whose process died: it is told what the others were (ready, and the
+        voices registered so far)."""
+        old = self.fronts[msg.index]
+        if old.open:  # its pipes' end not read yet
+            self._leave(old, Stop())
+        old.ends.close()
+        new = self.fronts[msg.index] = Front(msg.index, msg.ends)
+        new.send(Ready(self.client.info, self.client.kit))
+        for voice in self.client.voices.registered():
+            new.send(VoiceAdded(voice))
+        logger.info("front %d replaced (asked by front %d)", msg.index, front.index)
 
     # ---------------------------------------------------------------- calls
     def _call(self, front: Front, msg: Call) -> None:

@@ -21,6 +21,9 @@ from ..client import EngineInfo
 from ..kit import SpeechKit
 from ..voices import Voice
 
+BEAT_S = 1.0
+"""How often the engine process sends each front a ``Beat``."""
+
 
 # ============================================================================ front -> engine
 class PromptArrays(NamedTuple):
@@ -99,6 +102,15 @@ class Collected:
 
 
 @dataclass(frozen=True, slots=True)
+class AddFront:
+    """From the first front: serve a new front ``index`` (one that replaces a front process which died) over
+    these pipe ends (passed as descriptors)."""
+
+    index: int
+    ends: EngineEnds
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """The front is done: cancel its requests and stop serving it."""
 
@@ -150,6 +162,14 @@ class Collect:
     """Another front's ``PeerMetrics`` asks this one's metrics (answered with ``Collected``)."""
 
     key: tuple[int, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """The engine process is alive (sent every ``BEAT_S``), with its engine's health: None while it serves, else
+    why not (``EngineClient.health``)."""
+
+    health: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,9 @@ The front never touches the model: it prepares and validates every request from 
 process sends once it loaded (the same 4xx as in one process), sends the prompts to run and answers at once,
 with no round trip before the response's headers. A client that leaves has its request cancelled over the pipe
 (the engine process aborts its engine requests at once). If the engine process dies, every request and call in
-flight fails with ``EngineGoneError``, and so does every new one; ``health`` says why."""
+flight fails with ``EngineGoneError``, and so does every new one; ``health`` says why. The engine process beats
+every ``BEAT_S``: a front that hears no beat for ``beat_timeout_s`` (a hung or stopped engine process) is
+unhealthy and refuses new requests, and its sends never wait for the pipe (``CommandWriter``)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +27,9 @@ from ..client import EngineClient, EngineGoneError, EngineInfo
 from ..voices import SharedVoices, Voice, VoiceRegistry
 from .host import EngineSettings, engine_main
 from .messages import (
+    AddFront,
     AudioBatch,
+    Beat,
     Call,
     CallKind,
     Cancel,
@@ -45,6 +50,7 @@ from .messages import (
     open_pipes,
 )
 from .remote_audio import RemoteAudio
+from .writer import CommandWriter, PipeClosedError
 
 logger = logging.getLogger(__name__)
 
@@ -55,32 +61,38 @@ class RemoteClient(EngineClient):
     calls, and ``close``. Its request and call ids start with its ``index``."""
 
     def __init__(self, ends: FrontEnds, index: int = 0, process: mp.Process | None = None,
-                 voices_dir: str | None = None, shared_voices: SharedVoices | None = None):
+                 voices_dir: str | None = None, shared_voices: SharedVoices | None = None,
+                 beat_timeout_s: float = 10.0):
         """``ends``: this front's pipe ends; ``process``: the engine process if this one started it;
-        ``voices_dir``, ``shared_voices``: as ``VoiceRegistry``'s (voices other processes registered)."""
+        ``voices_dir``, ``shared_voices``: as ``VoiceRegistry``'s (voices other processes registered);
+        ``beat_timeout_s``: how long the engine process may go without a beat before it counts as hung."""
         self.ends, self.index, self.process = ends, index, process
+        self.beat_timeout_s = beat_timeout_s
+        self._writer: CommandWriter | None = None  # from ``wait_ready`` on
+        self._beat: tuple[float, str | None] = (time.monotonic(), None)  # the last beat: when, and its health
         self.peers: list[FrontEnds] = []
         """``start_engine``'s pipe ends of the other fronts, each for a ``RemoteClient(ends, index=i)`` (i from
         1) in a process of its own; close them here once that process started."""
         self.gone: str | None = None
         """Why the engine process is not running (None while it is)."""
         self._voices_dir, self._shared_voices = voices_dir, shared_voices
-        self._send_lock = threading.Lock()
         self._reap_lock = threading.Lock()  # one waiter on the engine process at a time (``_join``)
         self._lock = threading.Lock()  # guards the two dicts below
         self._audio: dict[str, RemoteAudio] = {}
         self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # calls, by id
         self._ids = itertools.count()
+        self._pid = os.getpid()
         self._closing = False
         self._own: Callable[[], list] | None = None
         self.on_lost: Callable[[str], None] | None = None
         """Called (from a reader thread) with why, if the engine process exits while this front uses it: a
         server stops then, so that its supervisor can restart it."""
         self._events = {Reply: self._on_reply, Failed: self._on_failed, Collect: self._on_collect,
-                        VoiceAdded: self._on_voice}
+                        VoiceAdded: self._on_voice, Beat: self._on_beat}
 
     @classmethod
-    def start_engine(cls, load: dict, settings: EngineSettings | None = None, fronts: int = 1) -> RemoteClient:
+    def start_engine(cls, load: dict, settings: EngineSettings | None = None, fronts: int = 1,
+                     beat_timeout_s: float = 10.0) -> RemoteClient:
         """Spawn the engine process (``load_chat(load)``, served to ``fronts`` fronts); this handle is the
         first front, ``peers`` the others' pipe ends."""
         settings = settings or EngineSettings()
@@ -91,9 +103,20 @@ class RemoteClient(EngineClient):
         process.start()
         for ends in engine_ends:
             ends.close()
-        client = cls(front_ends[0], process=process, voices_dir=settings.voices_dir)
+        client = cls(front_ends[0], process=process, voices_dir=settings.voices_dir, beat_timeout_s=beat_timeout_s)
         client.peers = front_ends[1:]
         return client
+
+    def add_front(self, index: int) -> FrontEnds:
+        """Pipes for a new front ``index`` (replacing one whose process died), the engine process told to serve
+        it: the ends returned are for a ``RemoteClient(ends, index)`` in the new front's process. Only the
+        front that started the engine process adds fronts."""
+        engine_ends, front_ends = open_pipes(1, mp.get_context("spawn"))
+        try:
+            self._send(AddFront(index, engine_ends[0]))  # the descriptors go with it
+        finally:
+            engine_ends[0].close()
+        return front_ends[0]
 
     # ---------------------------------------------------------------- lifetime
     def wait_ready(self, timeout: float = 1800.0) -> EngineInfo:
@@ -114,6 +137,8 @@ class RemoteClient(EngineClient):
         if not isinstance(ready, Ready):
             raise RuntimeError(f"the engine process said {type(ready).__name__} before Ready")
         self.info, self.kit = ready.info, ready.kit
+        self._beat = time.monotonic(), None
+        self._writer = CommandWriter(self.ends.cmd)
         self.voices = VoiceRegistry(self.kit.speaker_stats, self.kit.config.hidden_size, self._voices_dir,
                                     self._shared_voices)
         for name, conn, handlers in (("events", self.ends.events, self._events),
@@ -140,11 +165,18 @@ class RemoteClient(EngineClient):
             return self.process.exitcode
 
     def health(self) -> str | None:
-        return self.gone
+        if self.gone is not None:
+            return self.gone
+        at, engine_health = self._beat
+        silent = time.monotonic() - at
+        if silent > self.beat_timeout_s:
+            return f"the engine process has not answered for {silent:.0f} s (hung or stopped)"
+        return engine_health
 
     # ---------------------------------------------------------------- requests and calls
     def start(self, prompts: list[Prompt], params: SamplingParams, in_flight: int) -> RemoteAudio:
         """Start the request in the engine process and return its audio at once (no answer is waited for)."""
+        self._refuse_if_unhealthy()
         rid = self._next_id()
         audio = RemoteAudio(rid, self._cancel)
         with self._lock:
@@ -182,6 +214,7 @@ class RemoteClient(EngineClient):
 
     async def _call(self, call: CallKind):
         """Make a call and await its ``Reply``; cancelling the awaiting task cancels it there."""
+        self._refuse_if_unhealthy()
         cid = self._next_id()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -199,7 +232,8 @@ class RemoteClient(EngineClient):
         return reply.result()
 
     def _next_id(self) -> str:
-        return f"f{self.index}.{next(self._ids)}"
+        # the process id too: a front that replaces a dead one (same index) never reuses its ids
+        return f"f{self.index}.{self._pid}.{next(self._ids)}"
 
     def _cancel(self, rid: str) -> None:
         """A ``RemoteAudio`` was cancelled: tell the engine process, unless its audio had ended."""
@@ -211,11 +245,18 @@ class RemoteClient(EngineClient):
     def _send(self, msg) -> None:
         if self.gone is not None:
             raise EngineGoneError(self.gone)
+        if self._writer is None:
+            raise EngineGoneError("the engine process is not ready")
         try:
-            with self._send_lock:
-                self.ends.cmd.send(msg)
-        except (OSError, ValueError) as e:  # a broken pipe, or closed
+            self._writer.send(msg)
+        except PipeClosedError as e:
             raise EngineGoneError(f"the engine process is not running ({e})") from None
+
+    def _refuse_if_unhealthy(self) -> None:
+        """New work is refused (503) while the engine process is gone or unresponsive: it would only queue."""
+        why = self.health()
+        if why is not None:
+            raise EngineGoneError(why)
 
     def _send_quietly(self, msg) -> None:
         try:
@@ -255,6 +296,9 @@ class RemoteClient(EngineClient):
 
     def _on_voice(self, msg: VoiceAdded) -> None:
         self.voices.remember(msg.voice)
+
+    def _on_beat(self, msg: Beat) -> None:
+        self._beat = time.monotonic(), msg.health
 
     def _on_audio(self, msg: AudioBatch) -> None:
         with self._lock:
