@@ -17,7 +17,7 @@ import soundfile as sf
 import torch
 
 from chattts_velocity import Chat, cli
-from chattts_velocity.synth import ERRORS, MANIFEST, SynthConfig, SynthInterrupted, synth
+from chattts_velocity.synth import ERRORS, MANIFEST, SynthConfig, SynthInterrupted, plan, synth
 from chattts_velocity.text import encode_speaker
 
 TOKENS = 8
@@ -138,8 +138,8 @@ def test_interrupted_run_resumes_without_redoing_a_line(chat, tmp_path):
 
     assert again.skipped == len(first) and len(again.written) == 40 - len(first) and not again.failed
     rows = open(os.path.join(cfg.out_dir, MANIFEST), encoding="utf-8").read().splitlines()
-    entries = [json.loads(row) for row in rows if row != cut]
-    assert len(entries) == len(rows) - 1 == 40
+    entries = [json.loads(row) for row in rows]  # the cut entry was cut off the file, not kept as a row
+    assert cut not in rows and len(entries) == 40
     assert sorted(e["line"] for e in entries) == list(range(1, 41))
     assert all(os.stat(os.path.join(cfg.out_dir, f)).st_mtime_ns == t for f, t in mtimes.items())
     assert len({e["speaker"] for e in entries}) == 1 and all(e["random_speaker"] for e in entries)
@@ -170,6 +170,13 @@ def test_cli_exit_codes_are_0_clean_1_some_failed_2_usage(chat, tmp_path, monkey
         assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "cannot read the input file" in err and "cannot write to the output folder" in err and "manual_seed" in err
+
+
+def test_a_jsonl_line_nested_too_deep_is_a_bad_line_not_a_crash(tmp_path):
+    write_lines(tmp_path / "in.jsonl", ["[" * 100_000, {"text": "fine"}])
+    job = plan(str(tmp_path / "in.jsonl"), config(tmp_path / "out"))
+    assert [e.lineno for e in job.errors] == [1] and "not valid JSON" in job.errors[0].reason
+    assert [line.text for line in job.todo] == ["fine"]
 
 
 def test_mp3_needs_a_libsndfile_that_writes_it(tmp_path, monkeypatch):

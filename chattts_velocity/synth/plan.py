@@ -1,19 +1,19 @@
 """synth: its configuration and results, and the plan of a run: the input read and checked line by line, the
-output folder checked, the lines already done found in the manifest (no model needed)."""
+output folder checked, the lines already done found in the manifest (no model needed; ``disk`` says which
+manifest rows count)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..params import InferCodeParams, RefineTextParams
 from ..text import decode_speaker
+from .disk import check_out_dir, read_manifest
 
 FORMATS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"),
            "ogg": ("OGG", "VORBIS")}
@@ -113,6 +113,8 @@ class Plan:
     """Lines already in the manifest with their file."""
     random_speaker: str | None = None
     """The random speaker of the run being resumed."""
+    random_speaker_row: int = 0
+    """The manifest row ``random_speaker`` was read from."""
 
 
 @dataclass
@@ -145,10 +147,11 @@ OnLine = Callable[["dict | LineError"], object]
 
 
 def plan(source, config: SynthConfig) -> Plan:
-    """Parse the input and read the manifest. ``ValueError`` for an unreadable input or an unwritable folder."""
+    """Parse the input and read the manifest (its unusable rows skipped with a warning). ``ValueError`` for an
+    unreadable input or manifest, or an unwritable folder."""
     items = _read(source) if isinstance(source, (str, os.PathLike)) else list(enumerate(source, 1))
     jsonl = isinstance(source, (str, os.PathLike)) and os.fspath(source).lower().endswith(".jsonl")
-    _check_out_dir(config.out_dir)
+    check_out_dir(config.out_dir)
     lines, errors, taken = [], [], {}
     for lineno, item in items:
         try:
@@ -162,10 +165,11 @@ def plan(source, config: SynthConfig) -> Plan:
             continue
         taken[line.file] = lineno
         lines.append(line)
-    finished = _read_manifest(os.path.join(config.out_dir, MANIFEST))
+    rows = read_manifest(os.path.join(config.out_dir, MANIFEST))
+    finished = {entry["file"]: entry for _, entry in rows}
     todo = [line for line in lines if not _is_done(line, finished.get(line.file), config.out_dir)]
-    reused = next((e["speaker"] for e in finished.values() if e.get("random_speaker")), None)
-    return Plan(todo, errors, len(lines) - len(todo), reused)
+    row, reused = next(((n, e["speaker"]) for n, e in rows if e.get("random_speaker")), (0, None))
+    return Plan(todo, errors, len(lines) - len(todo), reused, row)
 
 
 def _read(path) -> list[tuple[int, str | LineError]]:
@@ -196,7 +200,7 @@ def _parse(lineno: int, item, jsonl: bool, config: SynthConfig) -> Line | None:
             return None
         try:
             item = json.loads(item)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: arrays nested thousands deep
             raise ValueError(f"not valid JSON: {e}") from None
     if not isinstance(item, dict):
         raise ValueError(f"expected a JSON object with a 'text' key, got {type(item).__name__}")
@@ -229,29 +233,6 @@ def _check_keys(item: dict) -> None:
         ok = isinstance(value, (int, float) if kind is float else kind) and (kind is bool or not isinstance(value, bool))
         if not ok:
             raise ValueError(f"{key!r} must be {_KIND_NAMES[kind]}, got {value!r}")
-
-
-def _check_out_dir(out_dir: str) -> None:
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".probe.")
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"cannot write to the output folder {out_dir!r}: {e}") from None
-
-
-def _read_manifest(path: str) -> dict[str, dict]:
-    """File name -> its latest manifest entry (a line cut short by a crash is ignored)."""
-    entries = {}
-    with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as f:
-        for row in f:
-            try:
-                entry = json.loads(row)
-                entries[entry["file"]] = entry
-            except (ValueError, KeyError, TypeError):
-                continue
-    return entries
 
 
 def _is_done(line: Line, entry: dict | None, out_dir: str) -> bool:

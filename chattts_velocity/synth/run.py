@@ -1,19 +1,20 @@
 """synth: running a plan through one shared engine (a pool of worker threads, each line one ``Chat.infer``),
-writing each file atomically and recording it in the manifest."""
+writing each file atomically and recording it in the manifest. A file that cannot be written (disk full, no
+permission) stops the run with a ``SynthWriteError`` naming it: the folder's trouble, not the line's, so the lines
+after it would fail the same way."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import threading
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 
 from ..constants import SAMPLE_RATE
 from ..text import speaker_vector
+from .disk import Appender, SynthWriteError, open_manifest, remove_partial, write_audio
 from .plan import (
     ERRORS,
     FORMATS,
@@ -40,11 +41,12 @@ def synth(chat, source, config: SynthConfig, on_line: OnLine | None = None) -> S
 def run(chat, job: Plan, config: SynthConfig, on_line: OnLine | None = None) -> SynthResult:
     """Synthesise ``job.todo`` with ``chat``'s engine (``chat`` may be None when there is nothing to do);
     ``on_line(entry_or_error)`` is called after each line. Ctrl-C raises ``SynthInterrupted`` once the lines in
-    flight were stopped (their audio is discarded)."""
+    flight were stopped (their audio is discarded); a file that cannot be written raises ``SynthWriteError``
+    (its ``result`` set) the same way."""
     speaker = _run_speaker(chat, config, job) if job.todo else None
     result = SynthResult([], job.skipped, [], 0.0, speaker)
     start = time.monotonic()
-    _remove_partial(config.out_dir, {line.file for line in job.todo})
+    remove_partial(config.out_dir, {line.file for line in job.todo})
     try:
         with _Recorder(config, len(job.todo), result) as record:
             for err in job.errors:
@@ -53,6 +55,9 @@ def run(chat, job: Plan, config: SynthConfig, on_line: OnLine | None = None) -> 
                 _run_lines(chat, job.todo, config, speaker, record, on_line)
     except KeyboardInterrupt:
         raise SynthInterrupted(result) from None
+    except SynthWriteError as e:
+        e.result = result
+        raise
     finally:
         result.seconds = time.monotonic() - start
     return result
@@ -77,7 +82,7 @@ def _run_lines(chat, lines: list[Line], config: SynthConfig, speaker: str | None
         stop.set()
         _drain(chat, futures)
         for fut in pending:
-            if fut.done() and not fut.cancelled() and isinstance(fut.result(), dict):
+            if fut.done() and not fut.cancelled() and fut.exception() is None and isinstance(fut.result(), dict):
                 record(fut.result())  # written before the stop: kept, so it goes in the manifest
         raise
     finally:
@@ -86,9 +91,15 @@ def _run_lines(chat, lines: list[Line], config: SynthConfig, speaker: str | None
 
 def _run_speaker(chat, config: SynthConfig, job: Plan) -> str | None:
     """The run's speaker, checked against the model before any work."""
-    speaker = config.speaker
-    if config.random_speaker:
-        speaker = job.random_speaker or chat.sample_random_speaker()
+    if config.random_speaker and job.random_speaker is not None:
+        try:
+            speaker_vector(job.random_speaker, chat.model.config.hidden_size)
+        except ValueError as e:
+            raise ValueError(f"{os.path.join(config.out_dir, MANIFEST)} row {job.random_speaker_row}: the random "
+                             f"speaker of the run being resumed does not fit this model ({e}); choose another "
+                             "--out-dir") from None
+        return job.random_speaker
+    speaker = chat.sample_random_speaker() if config.random_speaker else config.speaker
     if speaker is not None:
         speaker_vector(speaker, chat.model.config.hidden_size)
     return speaker
@@ -96,43 +107,21 @@ def _run_speaker(chat, config: SynthConfig, job: Plan) -> str | None:
 
 def _speak(chat, config: SynthConfig, line: Line, speaker: str | None, stop: threading.Event) -> dict | LineError | None:
     """One line, on a worker thread: its manifest entry once its file is written, a ``LineError``, or None when
-    the run was stopped."""
+    the run was stopped; ``SynthWriteError`` when its file cannot be written."""
     code, refine = config.line_params(line, speaker)
     try:
         wav = chat.infer(line.text, skip_refine_text=refine is None, params_infer_code=code,
                          params_refine_text=refine)[0]
         if stop.is_set():
             return None
-        _write(os.path.join(config.out_dir, line.file), wav, config.fmt)
+        write_audio(os.path.join(config.out_dir, line.file), wav, *FORMATS[config.fmt])
+    except SynthWriteError:
+        raise
     except Exception as e:  # noqa: BLE001 - whatever breaks one line is reported and the others go on
         return LineError(line.lineno, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
     return {"line": line.lineno, "text": line.text, "file": line.file, "duration": round(wav.size / SAMPLE_RATE, 6),
             "seed": code.manual_seed, "speaker": code.spk_emb,
             "random_speaker": config.random_speaker and code.spk_emb == speaker and speaker is not None}
-
-
-def _write(path: str, wav, fmt: str) -> None:
-    """Write under a temporary name in the same folder, then rename: the file is whole or absent."""
-    import soundfile as sf
-
-    container, subtype = FORMATS[fmt]
-    # a fresh random name, created by soundfile (mkstemp would leave the file readable by its owner only)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.part")
-    try:
-        sf.write(tmp, wav, SAMPLE_RATE, format=container, subtype=subtype)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
-def _remove_partial(out_dir: str, files: set[str]) -> None:
-    """Remove the temporary files of lines to redo, left by a run killed while writing them."""
-    for name in os.listdir(out_dir):
-        if name.startswith(".") and name.endswith(".part") and name[1:].rsplit(".", 2)[0] in files:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(out_dir, name))
 
 
 def _drain(chat, futures: list[Future]) -> None:
@@ -154,8 +143,12 @@ class _Recorder:
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         self.result, self.audio = result, 0.0
-        self.manifest = _append(os.path.join(config.out_dir, MANIFEST))
-        self.errors = open(os.path.join(config.out_dir, ERRORS), "w", encoding="utf-8")  # noqa: SIM115
+        self.manifest = open_manifest(os.path.join(config.out_dir, MANIFEST))
+        try:
+            self.errors = Appender(os.path.join(config.out_dir, ERRORS), truncate=True)
+        except SynthWriteError:
+            self.manifest.close()
+            raise
         self.bar = tqdm(total=total, unit="line", desc="synth", disable=not config.show_progress, file=sys.stderr)
         # log records (the engine's warnings) print above the bar instead of through it
         self._logs = logging_redirect_tqdm() if config.show_progress else contextlib.nullcontext()
@@ -172,27 +165,13 @@ class _Recorder:
 
     def __call__(self, outcome: dict | LineError | None, advance: bool = True) -> None:
         if isinstance(outcome, LineError):
+            self.errors.write({"line": outcome.lineno, "error": outcome.reason})
             self.result.failed.append(outcome)
-            self.errors.write(json.dumps({"line": outcome.lineno, "error": outcome.reason}, ensure_ascii=False) + "\n")
-            self.errors.flush()
             self.bar.write(f"line {outcome.lineno}: {outcome.reason}", file=sys.stderr)
         elif outcome is not None:
+            self.manifest.write(outcome)  # first: a line counts as written once it is recorded
             self.result.written.append(outcome)
-            self.manifest.write(json.dumps(outcome, ensure_ascii=False) + "\n")
-            self.manifest.flush()
             self.audio += outcome["duration"]
             self.bar.set_postfix_str(f"{self.audio:.1f} s audio", refresh=False)
         if outcome is not None and advance:
             self.bar.update(1)
-
-
-def _append(path: str):
-    """Open the manifest for appending, after ending a line a crash cut short."""
-    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell():
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                with open(path, "a", encoding="utf-8") as g:
-                    g.write("\n")
-    return open(path, "a", encoding="utf-8")  # noqa: SIM115 - the caller closes it
