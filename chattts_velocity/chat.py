@@ -32,11 +32,12 @@ from .audio.silence import audible
 from .device import resolve_device
 from .engine import AsyncLLMEngine, EngineConfig, EngineShutdownError, LLMEngine
 from .gc_freeze import freeze_long_lived, thaw
-from .model.loader import LoadedModel, ModelLoader, resolve_model_dir
+from .model.loader import LoadedModel, ModelLoader
 from .params import InferCodeParams, RefineTextParams
 from .pipeline import Pipeline, refined_texts
 from .reference import ReferencePath
 from .text import Normalizer, encode_prompt, model_texts
+from .upstream_api import UpstreamAttributes
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ class _Loaded:
         self.engine.shutdown(drain=False)
 
 
-class Chat:
+class Chat(UpstreamAttributes):
+    """ChatTTS's ``Chat``; upstream's public attributes of a loaded one come from ``UpstreamAttributes``."""
+
     RefineTextParams = RefineTextParams
     InferCodeParams = InferCodeParams
 
@@ -134,7 +137,7 @@ class Chat:
         )
         device = resolve_device(device)
         loader = ModelLoader(device, load_format)
-        root = None if load_format == "dummy" else resolve_model_dir(source, custom_path, force_redownload)
+        root = None if load_format == "dummy" else self.download_models(source, force_redownload, custom_path)
         model = loader.load(root)
         if coef is not None:
             _set_coef(model, coef)
