@@ -57,12 +57,9 @@ class UpstreamTokenizer:
 
     def decode(self, sequences, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None,
                **kwargs) -> list[str]:
-        """Text of each id sequence, special tokens kept (upstream's defaults)."""
-        if skip_special_tokens or clean_up_tokenization_spaces is not None or kwargs:
-            raise NotImplementedError("chat.tokenizer.decode keeps special tokens with the tokenizer's own spacing "
-                                      "(upstream's defaults); skip_special_tokens, clean_up_tokenization_spaces "
-                                      "and other options are not supported")
-        return self.tokenizer.decode(sequences)
+        """Text of each id sequence (upstream's defaults: special tokens kept)."""
+        return self.tokenizer.decode(sequences, skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
 
 
 class UpstreamSpeaker:

@@ -97,6 +97,8 @@ def test_tokenizer_matches_upstream(chat, upstream_chat):
         assert a.dtype == b.dtype and torch.equal(a, b)
     ids = [torch.tensor([5, 9, 200, 7]), [int(chat.tokenizer.spk_emb_ids), 30, 31]]
     assert chat.tokenizer.decode(ids) == upstream_chat.tokenizer.decode(ids)
+    for kw in ({"skip_special_tokens": True}, {"clean_up_tokenization_spaces": True}):
+        assert chat.tokenizer.decode(ids, **kw) == upstream_chat.tokenizer.decode(ids, **kw)
     for name in ("len", "spk_emb_ids", "break_0_ids", "eos_token"):
         assert getattr(chat.tokenizer, name) == getattr(upstream_chat.tokenizer, name), name
 

@@ -77,9 +77,11 @@ class Tokenizer:
             return out
         return tuple(t.to(device) for t in out)
 
-    def decode(self, sequences: list[list[int]] | list[torch.Tensor]) -> list[str]:
-        """Text of each id sequence, special tokens kept (they carry the refiner's [uv_break] & co.)."""
-        return self._tokenizer.batch_decode(sequences, skip_special_tokens=False)
+    def decode(self, sequences: list[list[int]] | list[torch.Tensor], skip_special_tokens: bool = False,
+               **kwargs) -> list[str]:
+        """Text of each id sequence, special tokens kept by default (they carry the refiner's [uv_break] & co.);
+        ``kwargs`` go to the Hugging Face tokenizer's ``batch_decode``."""
+        return self._tokenizer.batch_decode(sequences, skip_special_tokens=skip_special_tokens, **kwargs)
 
 
 def check_context(length: int, limit: int) -> None:
