@@ -1,4 +1,4 @@
-"""``chattts-velocity`` command line: ``say`` (text to a wav file), ``synth`` (a file of lines to audio files),
+"""``chattts-velocity`` command line: ``say`` (text to an audio file), ``synth`` (a file of lines to audio files),
 ``serve`` (the OpenAI-compatible speech server), ``webui`` (the Gradio web demo), ``make-checkpoint`` (random
 weights) and ``bench`` (reference vs velocity engine on random weights).
 
@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-import numpy as np
-import soundfile as sf
 import torch
 
 from . import __version__
 from .bench.cli import add_bench_parser
 from .chat import Chat
-from .constants import SAMPLE_RATE, SAMPLES_PER_TOKEN
 from .model.checkpoint import write_checkpoint
 from .model.loader import ModelNotFoundError
+from .say import MAX_NEW_TOKEN, RANDOM_MAX_NEW_TOKEN, say
 from .server.settings import (
     ENGINE_DTYPES,
     LOG_LEVELS,
@@ -37,42 +34,7 @@ from .synth import cli as synth_cli
 
 
 def _say(args: argparse.Namespace) -> int:
-    ext = os.path.splitext(args.output)[1].lower()
-    if ext not in (".wav", ".flac", ".ogg"):
-        raise ValueError(f"output must end in .wav, .flac or .ogg, got {args.output!r}")
-    _check_writable(args.output)  # before loading and synthesising, not after
-    max_new = args.max_new_token
-    if max_new is None:
-        max_new = DUMMY_MAX_NEW_TOKEN if args.dummy else 2048
-        if args.dummy:
-            print(f"--dummy: random weights never end a sentence, so each pass stops at {max_new} tokens "
-                  f"(~{max_new * SAMPLES_PER_TOKEN / SAMPLE_RATE:.1f} s of noise per sentence); "
-                  "--max-new-token N for more", flush=True)
-    chat = _load(args)
-    speaker = args.speaker
-    if speaker is None and args.random_speaker:
-        speaker = chat.sample_random_speaker()
-    code = Chat.InferCodeParams(spk_emb=speaker, manual_seed=args.seed, prompt=args.prompt, max_new_token=max_new)
-    refine = Chat.RefineTextParams(manual_seed=args.seed, max_new_token=min(max_new, 384))
-    wavs = chat.infer(args.text, skip_refine_text=args.no_refine, params_infer_code=code,
-                      params_refine_text=refine)
-    audio = np.concatenate(wavs) if wavs else np.zeros(0, dtype=np.float32)
-    sf.write(args.output, audio, SAMPLE_RATE)
-    print(f"wrote {args.output}: {audio.size / SAMPLE_RATE:.2f} s of audio at {SAMPLE_RATE} Hz")
-    return 0
-
-
-def _check_writable(path: str) -> None:
-    """Create the folder of ``path`` and make sure the file can be written (what existed stays as it was)."""
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        existed = os.path.exists(path)
-        with open(path, "ab"):
-            pass
-        if not existed:
-            os.remove(path)
-    except OSError as e:
-        raise ValueError(f"cannot write {path!r}: {e.strerror or e}; choose another -o/--output") from None
+    return say(args, lambda: _load(args))
 
 
 def _load(args: argparse.Namespace) -> Chat:
@@ -109,11 +71,34 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                      "Hugging Face cache, downloaded if absent)")
     src.add_argument("--dummy", action="store_true", help="full-size random weights (offline; output is noise)")
     p.add_argument("--source", default=SOURCES[0], choices=SOURCES,
-                   help="where to find the real weights when --model is not given")
+                   help="where the real weights are when neither --model nor --dummy is given: huggingface, the "
+                        "Hugging Face cache (HF_HOME), downloaded on first use; local, the upstream layout (asset/) "
+                        "in the working directory, its missing files downloaded there (default: %(default)s)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="CPU threads torch may use (default: torch's choice, one per core); fewer is faster when "
                         "other processes share the cores")
+
+
+def _add_say_parser(sub) -> None:
+    say = sub.add_parser("say", help="synthesise text to an audio file")
+    say.add_argument("text", help="text to speak (sentences are split and batched as ChatTTS does)")
+    say.add_argument("-o", "--output", default="out.wav",
+                     help="output file: .wav, .flac, .mp3 or .ogg, by its extension (default: %(default)s)")
+    _add_model_args(say)
+    say.add_argument("--seed", type=int, default=None,
+                     help="manual_seed for reproducible output (default: none, a different take every run)")
+    spk = say.add_mutually_exclusive_group()
+    spk.add_argument("--speaker", default=None,
+                     help="a speaker string (from sample_random_speaker) (default: none, the model's own voice, "
+                          "which varies with --seed)")
+    spk.add_argument("--random-speaker", action="store_true", help="sample a random speaker")
+    say.add_argument("--prompt", default="[speed_5]", help="code prompt (default: %(default)s)")
+    say.add_argument("--max-new-token", type=int, default=None,
+                     help=f"audio tokens per sentence at most (default: {MAX_NEW_TOKEN}; {RANDOM_MAX_NEW_TOKEN} with "
+                          "--dummy or a test-size --model, whose random weights rarely end a sentence)")
+    say.add_argument("--no-refine", action="store_true", help="skip the text-refine pass")
+    say.set_defaults(func=_say)
 
 
 def _add_serve_parser(sub) -> None:
@@ -126,7 +111,7 @@ def _add_serve_parser(sub) -> None:
     _add_model_args(s)
     s.add_argument("--host", default=ServeSettings.host,
                    help="address to bind (default: %(default)s, this machine only)")
-    s.add_argument("--port", type=int, default=ServeSettings.port)
+    s.add_argument("--port", type=int, default=ServeSettings.port, help="port to listen on (default: %(default)s)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $CHATTTS_VELOCITY_API_KEY, else none)")
     s.add_argument("--max-concurrent", type=int, default=d.max_concurrent,
@@ -134,7 +119,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="requests waiting for a slot; beyond it 429 with Retry-After (default: %(default)s)")
     s.add_argument("--max-input-chars", type=int, default=d.max_input_chars, help="longest input (default: %(default)s)")
-    s.add_argument("--voices-dir", default=None, help="where registered voices are kept across restarts")
+    s.add_argument("--voices-dir", default=None,
+                   help="where registered voices are kept across restarts (default: none, in memory until the "
+                        "server stops)")
     s.add_argument("--max-new-token", type=int, default=d.max_new_token,
                    help="most audio tokens per sentence (default: %(default)s)")
     s.add_argument("--min-new-token", type=int, default=d.min_new_token,
@@ -170,16 +157,29 @@ def _add_serve_parser(sub) -> None:
                    help="largest request body; beyond it 413 (default: %(default)s)")
     s.add_argument("--max-upload-bytes", type=int, default=d.max_upload_bytes,
                    help="largest voice upload (POST /v1/audio/voices); beyond it 413 (default: %(default)s)")
+    s.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help="seconds a connection has to send a request's headers, else 408 and closed "
+                        "(default: %(default)s)")
+    s.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help="seconds a request's whole body may take to arrive, else 408 (default: %(default)s)")
+    s.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open client connections per HTTP front process; one more is answered 503 and closed "
+                        "(default: %(default)s)")
+    s.add_argument("--engine-timeout", type=float, default=d.engine_timeout_s,
+                   help="with an engine process: seconds without its heartbeat before /health reports it hung "
+                        "(503) and new requests are refused (default: %(default)s)")
     s.add_argument("--max-num-seqs", type=int, default=None,
                    help="engine: sequences decoded together (default: max-concurrent x "
                         f"{d.in_flight_sentences} sentences)")
-    s.add_argument("--kv-cache-gib", type=float, default=None, help="engine: KV cache size")
+    s.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="engine: KV cache size (default: 40%% of the free GPU memory, 1 GiB on CPU)")
     s.add_argument("--engine-dtype", default=None, choices=ENGINE_DTYPES,
                    help="engine dtype (default: float16 on CUDA, float32 on CPU)")
     s.add_argument("--max-window-tokens", type=int, default=SERVE_WINDOW_TOKENS,
                    help="engine: most tokens (steps x sequences) per multi-step decode window, so arriving "
                         "requests wait less under load (default: %(default)s; 0: no cap)")
-    s.add_argument("--log-level", default=ServeSettings.log_level, choices=LOG_LEVELS)
+    s.add_argument("--log-level", default=ServeSettings.log_level, choices=LOG_LEVELS,
+                   help="server log level (default: %(default)s)")
     r = s.add_argument_group("replicas (Ray Serve: pip install -e \".[scale]\" from a clone, or "
                              "\"chattts-velocity[scale]\" from an index)",
                              "--replicas, --min/--max-replicas or --ray-address serve through Ray Serve: one engine "
@@ -188,12 +188,15 @@ def _add_serve_parser(sub) -> None:
                              "options as key=value (max_concurrent=128, dummy=true).")
     r.add_argument("--replicas", type=_positive_int, default=None, help="engine replicas (default: 1)")
     r.add_argument("--min-replicas", type=_positive_int, default=None,
-                   help="with --max-replicas: autoscale on ongoing requests (target: 3/4 of --max-concurrent)")
-    r.add_argument("--max-replicas", type=_positive_int, default=None, help="with --min-replicas: the most replicas")
+                   help="with --max-replicas: autoscale on ongoing requests (target: 3/4 of --max-concurrent) "
+                        "(default: none, a fixed number of replicas)")
+    r.add_argument("--max-replicas", type=_positive_int, default=None,
+                   help="with --min-replicas: the most replicas (default: none, a fixed number of replicas)")
     r.add_argument("--gpus-per-replica", type=float, default=None,
                    help="GPUs each replica reserves (default: 1; 0 with --device cpu)")
     r.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (e.g. 10.0.0.1:6379 from 'ray start --head'); default: start one here")
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379 from 'ray start --head') (default: none, start "
+                        "one here)")
     s.set_defaults(func=_serve)
 
 
@@ -211,20 +214,25 @@ def _add_synth_parser(sub) -> None:
                                    "'text' and optional speaker, seed, temperature, top_p, top_k, prompt, refine, "
                                    "file) becomes DIR/NNNNNN.FORMAT, all lines through one batched engine. A rerun "
                                    "skips the lines already in DIR/manifest.jsonl. Exit 1 if some lines failed "
-                                   "(DIR/errors.jsonl), 2 on usage errors.")
+                                   "(DIR/errors.jsonl) or a file could not be written (disk full), 2 on usage "
+                                   "errors.")
     s.add_argument("input", help="a text file (one line per utterance) or a .jsonl file")
     s.add_argument("-o", "--out-dir", required=True, help="output folder (created if absent)")
     s.add_argument("--format", default="wav", choices=["wav", "flac", "mp3", "ogg"],
                    help="audio format (default: wav)")
     _add_model_args(s)
-    s.add_argument("--seed", type=int, default=None, help="manual_seed of lines without their own")
+    s.add_argument("--seed", type=int, default=None,
+                   help="manual_seed of lines without their own (default: none, a different take every run)")
     spk = s.add_mutually_exclusive_group()
-    spk.add_argument("--speaker", default=None, help="speaker string of lines without their own")
+    spk.add_argument("--speaker", default=None,
+                     help="speaker string of lines without their own (default: none, the model's own voice)")
     spk.add_argument("--random-speaker", action="store_true",
                      help="one random speaker for the run (kept in the manifest, reused on resume)")
-    s.add_argument("--prompt", default="[speed_5]", help="code prompt of lines without their own")
+    s.add_argument("--prompt", default="[speed_5]",
+                   help="code prompt of lines without their own (default: %(default)s)")
     s.add_argument("--no-refine", action="store_true", help="skip the text-refine pass (lines may set refine)")
-    s.add_argument("--max-new-token", type=int, default=2048, help="audio tokens per sentence at most")
+    s.add_argument("--max-new-token", type=int, default=2048,
+                   help="audio tokens per sentence at most (default: %(default)s)")
     s.add_argument("--concurrency", type=int, default=None,
                    help="lines in flight (default: twice --max-num-seqs)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="engine: sequences decoded together (default: 64)")
@@ -253,7 +261,7 @@ def _add_webui_parser(sub) -> None:
                                    "\"chattts-velocity[webui]\" from an index.")
     _add_model_args(w)
     w.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    w.add_argument("--port", type=int, default=7860)
+    w.add_argument("--port", type=int, default=7860, help="port to listen on (default: %(default)s)")
     w.add_argument("--share", action="store_true", help="also open a public Gradio share link")
     w.add_argument("--max-new-token", type=int, default=2048, help="most audio tokens per sentence (default: 2048)")
     w.add_argument("--max-num-seqs", type=int, default=64, help="engine: sequences decoded together (default: 64)")
@@ -275,25 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    say = sub.add_parser("say", help="synthesise text to an audio file")
-    say.add_argument("text", help="text to speak (sentences are split and batched as ChatTTS does)")
-    say.add_argument("-o", "--output", default="out.wav", help="output file (.wav, .flac, .ogg)")
-    _add_model_args(say)
-    say.add_argument("--seed", type=int, default=None, help="manual_seed for reproducible output")
-    spk = say.add_mutually_exclusive_group()
-    spk.add_argument("--speaker", default=None, help="a speaker string (from sample_random_speaker)")
-    spk.add_argument("--random-speaker", action="store_true", help="sample a random speaker")
-    say.add_argument("--prompt", default="[speed_5]", help="code prompt, e.g. [speed_5]")
-    say.add_argument("--max-new-token", type=int, default=None,
-                     help=f"audio tokens per sentence at most (default: 2048; {DUMMY_MAX_NEW_TOKEN} with --dummy, "
-                          "whose random weights never end a sentence)")
-    say.add_argument("--no-refine", action="store_true", help="skip the text-refine pass")
-    say.set_defaults(func=_say)
-
+    _add_say_parser(sub)
     mk = sub.add_parser("make-checkpoint", help="write a random checkpoint in the upstream file layout")
     mk.add_argument("dir", help="output folder (asset/ is created inside)")
-    mk.add_argument("--size", default="tiny", choices=["tiny", "full"], help="tiny (tests) or full (real shapes)")
-    mk.add_argument("--seed", type=int, default=0, help="random seed")
+    mk.add_argument("--size", default="tiny", choices=["tiny", "full"],
+                    help="tiny (tests) or full (real shapes) (default: %(default)s)")
+    mk.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     mk.set_defaults(func=_make_checkpoint)
 
     _add_synth_parser(sub)
@@ -301,10 +296,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_webui_parser(sub)
     add_bench_parser(sub)
     return p
-
-
-DUMMY_MAX_NEW_TOKEN = 48
-"""``say --dummy``'s default length per pass: random weights never sample EOS, so every pass runs to it."""
 
 
 def _positive_int(text: str) -> int:

@@ -1,10 +1,14 @@
-"""What the examples share: their model, device, output and length options, and a ``Chat`` loaded from them."""
+"""What the examples share: their model, device, output and length options, a ``Chat`` loaded from them, and
+errors reported as the ``chattts-velocity`` command reports them."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 
 import chattts_velocity
+from chattts_velocity.model.loader import ModelNotFoundError
 
 
 def example_parser(doc: str, out: str,
@@ -27,3 +31,13 @@ def load_chat(args: argparse.Namespace) -> chattts_velocity.Chat:
     else:
         chat.load(source="huggingface", device=args.device)
     return chat
+
+
+def run(main: Callable[[], None]) -> None:
+    """``main()``, with a usage error (no weights where they were looked for, an unknown device, a bad setting)
+    ending the script as it ends ``chattts-velocity``: one line on stderr, exit status 2, no traceback."""
+    try:
+        main()
+    except (ModelNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from chattts_velocity.synth import SynthConfig, synth
 
-from _common import example_parser, load_chat
+from _common import example_parser, load_chat, run
 
 LINES = [
     "The first line of the batch.",
@@ -45,4 +45,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

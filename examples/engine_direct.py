@@ -18,7 +18,7 @@ import soundfile as sf
 from chattts_velocity.engine import EngineConfig, LLMEngine, Prompt, SamplingParams
 from chattts_velocity.text import decorate_code_prompts, speaker_vector
 
-from _common import example_parser, load_chat
+from _common import example_parser, load_chat, run
 
 TEXTS = ["The engine runs every request in one batch.", "Each request has its own seed and speaker.",
          "Tokens arrive step by step."]
@@ -71,4 +71,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -13,7 +13,7 @@ import time
 
 import soundfile as sf
 
-from _common import example_parser, load_chat
+from _common import example_parser, load_chat, run
 
 
 def main() -> None:
@@ -40,4 +40,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

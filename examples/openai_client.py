@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import wave
 
-from openai import OpenAI
+from openai import APIError, OpenAI
 
 
 def main() -> None:
@@ -30,10 +31,21 @@ def main() -> None:
     ap.add_argument("--out", default="client_out", help="output folder (default: client_out)")
     args = ap.parse_args()
 
-    client = OpenAI(base_url=args.base_url, api_key=args.api_key)
-    extra = {"seed": args.seed} if args.seed is not None else None
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "speech.wav")
+    start = time.perf_counter()
+    try:
+        size = stream_to_wav(OpenAI(base_url=args.base_url, api_key=args.api_key), args, path)
+    except APIError as e:  # no server there, a refused key, a bad request: one line, as the CLI reports errors
+        print(f"error: {args.base_url}: {e}", file=sys.stderr)
+        sys.exit(2)
+    seconds = time.perf_counter() - start
+    print(f"wrote {path}: {size / 2 / 24000:.2f} s of audio in {seconds:.2f} s")
+
+
+def stream_to_wav(client: OpenAI, args: argparse.Namespace, path: str) -> int:
+    """The speech of ``args.input`` streamed as pcm into a wav at ``path``; the bytes of audio written."""
+    extra = {"seed": args.seed} if args.seed is not None else None
     start, first, size = time.perf_counter(), None, 0
     with client.audio.speech.with_streaming_response.create(
         model=args.model, voice=args.voice, input=args.input, response_format="pcm", extra_body=extra,
@@ -50,8 +62,7 @@ def main() -> None:
             whole = len(data) - len(data) % 2
             out.writeframes(data[:whole])
             carry, size = data[whole:], size + whole
-    seconds = time.perf_counter() - start
-    print(f"wrote {path}: {size / 2 / 24000:.2f} s of audio in {seconds:.2f} s")
+    return size
 
 
 if __name__ == "__main__":

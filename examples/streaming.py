@@ -14,7 +14,7 @@ import time
 
 import soundfile as sf
 
-from _common import example_parser, load_chat
+from _common import example_parser, load_chat, run
 
 
 def main() -> None:
@@ -46,4 +46,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

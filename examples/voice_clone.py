@@ -16,7 +16,7 @@ import soundfile as sf
 import torch
 import torchaudio
 
-from _common import example_parser, load_chat
+from _common import example_parser, load_chat, run
 
 RATE = 24000
 
@@ -62,4 +62,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

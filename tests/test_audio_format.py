@@ -1,6 +1,7 @@
 """The speech server's encoders (chattts_velocity.server.audio_format): every format, streamed in random
 chunks and whole, decoded back with PyAV and checked for rate, channels, length and content (bit-exact for
-the lossless ones); early first bytes; WAV headers; clipping; and the errors for misuse."""
+the lossless ones); early first bytes (flac: the whole file, with its length, at the end); WAV headers;
+clipping; and the errors for misuse."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from chattts_velocity.server.audio_format import CONTENT_TYPES, FORMATS, StreamEncoder, encode_all
+from chattts_velocity.server.audio_format import (
+    CONTENT_TYPES,
+    FORMATS,
+    WHOLE_FORMATS,
+    StreamEncoder,
+    encode_all,
+)
 
 av = pytest.importorskip("av")
 
@@ -20,6 +27,7 @@ SR = 24000
 N = int(1.5 * SR)
 SINE = (0.8 * np.sin(2 * np.pi * 440 * np.arange(N) / SR)).astype(np.float32)
 LOSSLESS = ("pcm", "wav", "flac")
+STREAMED = tuple(fmt for fmt in FORMATS if fmt not in WHOLE_FORMATS)
 
 STREAMED_EXTRA = {
     "pcm": (0, 0),
@@ -114,16 +122,31 @@ def test_streamed_opus_is_mono_24k_ogg():
     assert (version, channels, input_rate) == (1, 1, SR)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", STREAMED)
 def test_first_bytes_arrive_before_the_end(fmt):
     """After 0.5 s of audio, the bytes so far already decode to most of it: nothing waits for ``finish``."""
     enc = StreamEncoder(fmt, SR)
     head = b"".join(enc.encode(chunk) for chunk in _chunks(SINE[: SR // 2], seed=2))
     samples, rate = _decode(fmt, head)
-    # held back: codec lookahead plus a part-filled frame (mp3, aac: ~0.1 s; flac: < one 2304-sample block),
-    # or a 100 ms Ogg page plus libopus's lookahead (opus: ~0.11 s)
+    # held back: codec lookahead plus a part-filled frame (mp3, aac: ~0.1 s), or a 100 ms Ogg page plus
+    # libopus's lookahead (opus: ~0.11 s)
     assert samples.size * SR // rate >= SR // 2 - (0 if fmt in ("pcm", "wav") else int(0.13 * SR))
     _check_decoded(fmt, head + enc.finish(), STREAMED_EXTRA[fmt], SINE[: SR // 2])
+
+
+def test_streamed_flac_is_one_whole_file_with_its_length_that_soundfile_reads():
+    """A FLAC whose header says "length unknown" (all a stream can send first) is one libsndfile cannot read:
+    the streamed flac comes whole from ``finish``, its STREAMINFO holding the length."""
+    assert WHOLE_FORMATS == ("flac",)
+    enc = StreamEncoder("flac", SR)
+    assert [enc.encode(chunk) for chunk in _chunks(SINE, seed=3)] == [b""] * len(_chunks(SINE, seed=3))
+    data = enc.finish()
+    assert data == encode_all("flac", SINE, SR)
+    assert data[:4] == b"fLaC" and data[4] & 0x7F == 0  # the first metadata block: STREAMINFO
+    assert int.from_bytes(data[8 + 13 : 8 + 18], "big") & (2**36 - 1) == N  # total samples (36 bits)
+    samples, rate = sf.read(io.BytesIO(data), dtype="int16")
+    assert rate == SR
+    np.testing.assert_array_equal(samples, _quantised(SINE))
 
 
 def test_streamed_wav_has_unknown_sizes_and_reads_with_soundfile():

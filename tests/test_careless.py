@@ -17,8 +17,9 @@ from safetensors.torch import load_file, save_file
 from test_engine import code_prompt, params
 
 from chattts_velocity import Chat
-from chattts_velocity.cli import DUMMY_MAX_NEW_TOKEN, build_parser, main
+from chattts_velocity.cli import build_parser, main
 from chattts_velocity.engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
+from chattts_velocity.say import RANDOM_MAX_NEW_TOKEN
 from chattts_velocity.text import encode_speaker, split_long
 
 
@@ -377,8 +378,8 @@ def test_cli_say_dummy_is_short_by_default_and_threads_are_set(upstream_ckpt, tm
     finally:
         torch.set_num_threads(threads)
     assert seen["load_format"] == "dummy"
-    assert seen["code"].max_new_token == seen["refine"].max_new_token == DUMMY_MAX_NEW_TOKEN
-    assert f"each pass stops at {DUMMY_MAX_NEW_TOKEN} tokens" in capsys.readouterr().out
+    assert seen["code"].max_new_token == seen["refine"].max_new_token == RANDOM_MAX_NEW_TOKEN
+    assert f"each pass stops at {RANDOM_MAX_NEW_TOKEN} tokens" in capsys.readouterr().out
 
 
 def test_cli_version_and_help_without_backticks(capsys):

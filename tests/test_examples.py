@@ -1,6 +1,7 @@
 """Every script in ``examples/`` runs against a tiny checkpoint and writes what it says it wrote. The scripts run
 as subprocesses, all at once (each spends most of its time importing and loading), the speech-server clients
-against a server of their own."""
+against a server of their own. Without weights or without a server, each fails as the command line does: one
+line, exit status 2."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 
 import pytest
 import soundfile as sf
-from server_helpers import API_KEY, ServerProcess
+from server_helpers import API_KEY, ServerProcess, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = 16
@@ -177,4 +178,32 @@ def test_voice_agent_without_a_server_is_a_clean_error(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith(f"error: ws://127.0.0.1:{port}/v1/audio/speech/stream: ")
+    assert proc.stderr.count("\n") == 1  # one line
+
+
+def test_examples_without_weights_fail_as_the_cli_does(tmp_path):
+    """No ``--model`` and no weights in the Hugging Face cache (offline): the CLI's one-line error, not a
+    traceback."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    cli = [sys.executable, "-m", "chattts_velocity.cli", "say", "hi", "-o", str(tmp_path / "x.wav")]
+    commands = {"cli": cli, **{name: [sys.executable, os.path.join(ROOT, "examples", f"{name}.py"), "--out",
+                                       str(tmp_path / name)] for name in EXAMPLES}}
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for name, cmd in commands.items()}
+    ends = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in stderr, (name, stderr[-3000:])
+        ends[name] = stderr.splitlines()[-1]
+    assert ends["cli"].startswith("error: ChatTTS weights not found")
+    assert all(end == ends["cli"] for end in ends.values()), ends
+
+
+def test_openai_client_without_a_server_is_a_clean_error(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nobody listens there
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "openai_client.py"), "--base-url", url, "--out",
+           str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: {url}: ")
     assert proc.stderr.count("\n") == 1  # one line

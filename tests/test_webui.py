@@ -1,11 +1,13 @@
 """The Gradio web demo end to end: one app over a tiny checkpoint on 127.0.0.1, driven with ``gradio_client`` as
 visitors (one ``Client`` per visitor session). Generation, streaming (one gapless AAC stream), two visitors at
 once where one presses Stop, the queue limit, voice cloning, bad input; the engine's KV pool is checked free
-after every test."""
+after every test. The module runs as on a machine without ffmpeg: the page brings its own."""
 
 from __future__ import annotations
 
 import io
+import os
+import shutil
 import time
 
 import av
@@ -16,6 +18,7 @@ import soundfile as sf
 import torch
 from gradio_client import Client, handle_file
 from gradio_client.utils import QueueError
+from webui_helpers import bundled_ffmpeg, path_without_ffmpeg, require_ffmpeg
 
 from chattts_velocity import Chat
 from chattts_velocity.engine import FinishReason
@@ -38,7 +41,18 @@ def chat(upstream_ckpt):
 
 
 @pytest.fixture(scope="module")
-def url(chat):
+def no_system_ffmpeg():
+    """PATH without the system's ffmpeg while the module runs (where imageio-ffmpeg has a binary for this
+    platform: else PATH stays as it is); imageio-ffmpeg's binary, or None."""
+    saved, bundled = os.environ["PATH"], bundled_ffmpeg()
+    if bundled is not None:
+        os.environ["PATH"] = path_without_ffmpeg(saved)
+    yield bundled
+    os.environ["PATH"] = saved
+
+
+@pytest.fixture(scope="module")
+def url(chat, no_system_ffmpeg):
     demo = build_demo(chat, CONFIG)
     _, local_url, _ = demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
                                   ssr_mode=False)
@@ -126,7 +140,15 @@ def test_generate_shows_refined_text_and_a_reproducible_wav(url, chat, speaker):
     assert_same_audio(audio, wav_of(second))  # same seeds, same audio
 
 
+def test_the_page_brings_its_own_ffmpeg_where_the_system_has_none(url, no_system_ffmpeg):
+    if no_system_ffmpeg is None:
+        pytest.skip("imageio-ffmpeg has no ffmpeg binary for this platform")
+    found = shutil.which("ffmpeg")  # what Gradio runs for the streamed audio
+    assert found is not None and os.path.realpath(found) == os.path.realpath(no_system_ffmpeg)
+
+
 def test_stream_mode_sends_int16_chunks_as_one_gapless_aac_stream(url, speaker):
+    require_ffmpeg()
     client = visitor(url)
     whole = wav_of(client.predict(*generate_args(speaker, SHORT, stream=False), api_name="/generate"))
     job = client.submit(*generate_args(speaker, SHORT, stream=True), api_name="/generate")
@@ -138,6 +160,7 @@ def test_stream_mode_sends_int16_chunks_as_one_gapless_aac_stream(url, speaker):
 
 
 def test_stop_cancels_only_that_visitors_request_and_frees_its_blocks(url, chat, speaker, monkeypatch):
+    require_ffmpeg()
     other_args = generate_args(speaker, SHORT * 3, stream=False, seed=11)
     expected = wav_of(visitor(url).predict(*other_args, api_name="/generate"))
     # slow every engine step, so that the stopper's sentences are still generating when Stop lands (the CPU

@@ -1,6 +1,7 @@
 """The web demo as a person sees it: ``chattts-velocity webui`` started from the command line over a tiny
 checkpoint, opened in headless Chromium (Debian's ``chromium``, driven by Playwright; no browser download),
-Generate clicked, the audio player checked to hold audio, and a screenshot kept as a test artifact."""
+Generate clicked, the audio player checked to hold audio, and a screenshot kept as a test artifact. The web demo's
+process runs without the system's ffmpeg on its PATH: it brings its own for the streamed audio."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from webui_helpers import bundled_ffmpeg, path_without_ffmpeg
 
 CHROMIUM = "/usr/bin/chromium"
 # the machine has no network: without these Chromium stalls on its background connections
@@ -35,7 +37,9 @@ def page_url(upstream_ckpt, tmp_path_factory):
     log = tmp_path_factory.mktemp("webui") / "webui.log"
     cmd = [sys.executable, "-m", "chattts_velocity.cli", "webui", "--model", upstream_ckpt, "--device", "cpu",
            "--port", str(port), "--max-new-token", "48"]
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
+    path = os.environ["PATH"]
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False",
+           "PATH": path_without_ffmpeg(path) if bundled_ffmpeg() is not None else path}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

@@ -21,6 +21,7 @@ from chattts_velocity.constants import SAMPLE_RATE
 
 from .config import DemoConfig
 from .examples import EXAMPLES
+from .ffmpeg import ensure_ffmpeg
 from .generate import Settings, prepare, refine, speak
 from .session import Session
 from .timbre import SEED_RANGE, TIMBRES, sample_code, speaker_for_seed
@@ -29,8 +30,10 @@ DICE = "\U0001f3b2"
 
 
 def build_demo(chat: Chat, config: DemoConfig | None = None) -> gr.Blocks:
-    """The page over a loaded ``Chat`` (its queue already configured; ``launch`` it)."""
+    """The page over a loaded ``Chat`` (its queue already configured; ``launch`` it). Puts an ``ffmpeg`` on PATH
+    for the streamed audio where the system has none (``ensure_ffmpeg``)."""
     config = config or DemoConfig()
+    ensure_ffmpeg()
     concurrency, max_queue = config.limits(chat.engine.config.max_num_seqs)
     with gr.Blocks(title="ChatTTS Velocity", analytics_enabled=False) as demo:
         session = gr.State(Session())

@@ -2,7 +2,8 @@
 
 ``pcm`` and ``wav`` are written here (int16 samples, a 44-byte RIFF header); mp3, opus, aac and flac go
 through PyAV (FFmpeg), imported lazily so the rest of the package works without it. Every format carries the
-same int16 quantisation of the input, so lossless formats decode to exactly ``_pcm16(samples)``.
+same int16 quantisation of the input, so lossless formats decode to exactly ``_pcm16(samples)``. Every format
+but flac streams (``WHOLE_FORMATS``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ CONTENT_TYPES: dict[str, str] = {
 """The ``Content-Type`` per format: the types api.openai.com's ``/v1/audio/speech`` answers with (and that
 OpenAI-compatible servers mirror), so clients that switch on the header behave as they do against OpenAI.
 ``opus`` is Ogg-encapsulated all the same; OpenAI labels it ``audio/opus``, not ``audio/ogg;codecs=opus``."""
+
+WHOLE_FORMATS: tuple[str, ...] = ("flac",)
+"""Formats whose bytes all come at the end of a stream, as one complete file: a FLAC's header (STREAMINFO) holds
+its length, which only a seekable output can fill in once the audio is done, and libsndfile (``soundfile``)
+cannot read a FLAC whose header says the length is unknown. wav and pcm stream the same lossless samples."""
 
 _UNKNOWN_SIZE = 0xFFFFFFFF
 """RIFF and data chunk size of a streamed WAV, whose length is unknown when the header is sent."""
@@ -149,7 +155,8 @@ class StreamEncoder:
     Streamed WAV has RIFF and data sizes 0xFFFFFFFF (unknown length), as streaming TTS servers send it;
     FFmpeg, libsndfile (``soundfile``) and Python's ``wave`` all read it to the end of the bytes. Streamed mp3
     has no LAME/Xing tag (it is written by seeking back), so decoders keep the encoder delay; ``encode_all``
-    has it.
+    has it. A ``WHOLE_FORMATS`` stream (flac) is encoded as the chunks come but returned only by ``finish``,
+    whole: the bytes of ``encode_all``.
     """
 
     num_samples: int
@@ -162,14 +169,16 @@ class StreamEncoder:
         self.fmt, self.sample_rate = fmt, sample_rate
         self.num_samples = 0
         self._out = _Sink()
-        self._muxer = _Muxer(fmt, sample_rate, self._out) if fmt in _CODECS else None
+        self._whole = io.BytesIO() if fmt in WHOLE_FORMATS else None  # seekable: the muxer rewrites the header
+        file = self._out if self._whole is None else self._whole
+        self._muxer = _Muxer(fmt, sample_rate, file) if fmt in _CODECS else None
         if fmt == "wav":
             self._out.write(_wav_header(sample_rate, None))
         self._finished = False
 
     def encode(self, samples: np.ndarray) -> bytes:
         """Consume ``samples`` (1-D float, any length, clipped to [-1, 1]); return the bytes ready so far,
-        which may be b"" while a codec fills a frame or the Ogg muxer a page."""
+        which may be b"" while a codec fills a frame or the Ogg muxer a page (always, for ``WHOLE_FORMATS``)."""
         self._check_open()
         pcm = _pcm16(samples)
         self.num_samples += pcm.size
@@ -185,6 +194,8 @@ class StreamEncoder:
         self._finished = True
         if self._muxer is not None:
             self._muxer.close()
+        if self._whole is not None:
+            self._out.write(self._whole.getvalue())
         return self._out.take()
 
     def _check_open(self) -> None:
