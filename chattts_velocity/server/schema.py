@@ -40,7 +40,9 @@ class SpeechRequest(BaseModel):
     input: str
     voice: str | dict
     instructions: str | None = Field(default=None, max_length=MAX_INSTRUCTIONS_CHARS)
-    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = Field(
+        default="mp3", description="flac is sent whole once generated (its header holds the length); the others "
+                                   "stream as the audio is generated")
     speed: float = Field(default=1.0, ge=0.25, le=4.0, strict=True)
     stream_format: Literal["audio", "sse"] = "audio"
     # ChatTTS extras, bounded as the sampler is (``sampling.limits``), the temperature to at most 2
