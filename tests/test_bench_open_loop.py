@@ -1,0 +1,198 @@
+"""``chattts-velocity bench serve --rates`` (open loop): the playback, arrival and sustained-rate maths on hand-made
+inputs, then Poisson arrivals against a live server over a tiny checkpoint (every request held to the same length):
+every arrival is sent and counted once, in one client process or split over two, and non-200 answers, cut-off
+bodies and requests still running after the drain are failures. Speed targets are judged on a GPU."""
+
+from __future__ import annotations
+
+import json
+import socket
+import socketserver
+import threading
+import time
+
+import numpy as np
+import pytest
+from server_helpers import API_KEY, ServerProcess
+
+from chattts_velocity.bench.open_loop import (
+    BYTES_PER_S,
+    OpenLoopConfig,
+    arrival_times,
+    client_processes,
+    playback,
+    run_and_report,
+    run_rate,
+    start_delay,
+    sustained_rate,
+)
+
+TOKENS = 32
+"""Audio tokens of every request (--min-new-token = --max-new-token)."""
+RATES = (2.0, 5.0)
+DURATION_S = 2.0
+
+
+def piece(seconds: float) -> int:
+    """pcm bytes of ``seconds`` of audio."""
+    return round(seconds * BYTES_PER_S)
+
+
+def test_start_delay_and_underrun_on_hand_made_timings():
+    # 0.2 s pieces: the second comes 0.2 s after the first piece's audio ran out, the third 0.1 s after
+    late = playback([0.05, 0.45, 0.65], [piece(0.2)] * 3)
+    assert late["underrun"] and late["start_delay_s"] == pytest.approx(0.2)
+    assert late["first_audio_s"] == 0.05 and late["audio_s"] == pytest.approx(0.6)
+    # each piece before the audio ahead of it has played: no wait needed
+    smooth = playback([0.05, 0.15, 0.35], [piece(0.2)] * 3)
+    assert not smooth["underrun"] and smooth["start_delay_s"] == 0.0
+    # a short first piece, then a long one on time, then a late one: the latest piece sets the delay
+    assert start_delay([0.0, 0.1, 0.9], [piece(0.1), piece(0.5), piece(0.1)]) == pytest.approx(0.3)
+    # within a millisecond is on time; pieces need not hold whole samples
+    assert not playback([0.0, 0.2005], [piece(0.2), 1])["underrun"]
+    assert start_delay([0.0, 0.1], [4801, 1]) == 0.0 < start_delay([0.0, 0.1], [4799, 1])
+    assert playback([0.0, 0.203], [piece(0.2), 1])["underrun"]
+
+
+def test_arrival_times_are_poisson_for_a_seed():
+    rate, duration = 40.0, 200.0
+    times = arrival_times(rate, duration, 7)
+    assert np.array_equal(times, arrival_times(rate, duration, 7))  # a run repeats
+    assert not np.array_equal(times[:10], arrival_times(rate, duration, 8)[:10])
+    assert 0 < times[0] and np.all(np.diff(times) > 0) and times[-1] < duration
+    n = rate * duration
+    assert abs(len(times) - n) < 4 * n**0.5
+    gaps = np.diff(times)
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.08)  # exponential gaps, not even spacing
+    # k client processes at rate/k add up to the rate
+    split = sum(len(arrival_times(rate / 4, duration, (7, i))) for i in range(4))
+    assert abs(split - n) < 4 * n**0.5
+
+
+def test_client_processes_follow_the_requests_in_flight():
+    assert client_processes(5, 0.5, 16) == 1
+    assert client_processes(80, 1.0, 16) == 5  # 80 requests in flight
+    assert client_processes(0.1, 0.01, 16) == 1
+
+
+def row(rate: float, p95: float | None = 50.0, underruns: int = 0, failed: int = 0, completed: int = 10) -> dict:
+    return dict(rate=rate, first_audio_p95_ms=p95, underruns=underruns, failed=failed, completed=completed)
+
+
+def test_sustained_rate_is_the_highest_met_with_every_lower_rate():
+    assert sustained_rate([row(5), row(20), row(80, p95=151)], 150) == 20
+    assert sustained_rate([row(80, p95=151), row(5), row(20)], 200) == 80  # in any order
+    assert sustained_rate([row(5), row(20, underruns=1), row(80)], 150) == 5  # a lower rate's miss ends it
+    assert sustained_rate([row(5, failed=1), row(20)], 150) is None
+    assert sustained_rate([row(5, p95=None, completed=0)], 150) is None
+
+
+@pytest.fixture(scope="module")
+def server(upstream_ckpt):
+    srv = ServerProcess(upstream_ckpt, "--max-new-token", str(TOKENS), "--min-new-token", str(TOKENS))
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def report(server, tmp_path_factory) -> tuple[dict, str]:
+    path = tmp_path_factory.mktemp("open_loop") / "bench_open_loop.json"
+    cfg = OpenLoopConfig(url=server.url, rates=RATES, duration_s=DURATION_S, api_key=API_KEY, json_path=str(path))
+    return run_and_report(cfg), str(path)
+
+
+def test_every_arrival_is_sent_and_counted(report):
+    rows = report[0]["rows"]
+    assert [r["rate"] for r in rows] == list(RATES)
+    for r in rows:
+        drawn = len(arrival_times(r["rate"], DURATION_S, (0, round(r["rate"] * 1000), 1, 0)))
+        assert r["arrivals"] == drawn == r["completed"] + r["failed"] and r["failed"] == 0, r
+        assert r["offered_rate"] == pytest.approx(drawn / DURATION_S) and r["client_processes"] == 1
+        assert 0 < r["achieved_rate"] <= r["offered_rate"] and r["wall_s"] >= DURATION_S
+        assert 0 < r["first_audio_p50_ms"] <= r["first_audio_p95_ms"] <= r["first_audio_p99_ms"]
+        assert 0 <= r["start_delay_p50_ms"] <= r["start_delay_p95_ms"] and 0 <= r["underruns"] <= r["completed"]
+        per_request = r["audio_s_per_s"] / r["achieved_rate"]  # every request has the same length of audio
+        assert (TOKENS - 2) * 512 / 24000 <= per_request <= TOKENS * 512 / 24000
+
+
+def test_report_has_the_sustained_rate_and_is_written(report, capsys):
+    data, path = report
+    with open(path) as f:
+        assert json.load(f) == json.loads(json.dumps(data))
+    assert data["sustained_rate"] == sustained_rate(data["rows"], 150.0)
+    assert {"underruns", "start_delay_*_ms", "sustained_rate"} <= data["definitions"].keys()
+    assert data["config"]["rates"] == RATES and "api_key" not in data["config"]
+
+
+def test_a_rate_split_over_client_processes_counts_every_arrival_once(server):
+    cfg = OpenLoopConfig(url=server.url, rates=(4.0,), duration_s=DURATION_S, api_key=API_KEY, json_path=None)
+    r = run_rate(cfg, 4.0, processes=2)
+    drawn = sum(len(arrival_times(2.0, DURATION_S, (0, 4000, 2, i))) for i in range(2))
+    assert r["client_processes"] == 2 and r["arrivals"] == drawn == r["completed"] and r["failed"] == 0, r
+    assert r["first_audio_p50_ms"] > 0
+
+
+def test_non_200_answers_are_failures(server):
+    cfg = OpenLoopConfig(url=server.url, rates=(4.0,), duration_s=1.0, api_key="wrong", json_path=None)
+    r = run_rate(cfg, 4.0)
+    assert r["arrivals"] == r["failed"] > 0 and r["completed"] == 0 and r["statuses"] == ["401"]
+    assert r["first_audio_p95_ms"] is None and not r["meets_target"]
+
+
+class _Misbehaving(socketserver.BaseRequestHandler):
+    """Answers GET with an empty 200; a POST with the start of a chunked pcm body, then closes (``cut``) or
+    waits (``hang``)."""
+
+    mode = "cut"
+
+    def handle(self) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += self.request.recv(4096)
+        if data.startswith(b"GET"):
+            self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            return
+        self.request.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\n" + bytes(16) + b"\r\n")
+        if self.mode == "hang":
+            self.request.settimeout(30)
+            self.request.recv(1)  # until the client gives up
+
+
+@pytest.mark.parametrize("mode, status", [("cut", "IncompleteReadError"), ("hang", "unfinished")])
+def test_cut_off_and_unfinished_bodies_are_failures(mode, status, monkeypatch):
+    monkeypatch.setattr(_Misbehaving, "mode", mode)
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Misbehaving) as fake:
+        fake.daemon_threads = True
+        threading.Thread(target=fake.serve_forever, daemon=True).start()
+        cfg = OpenLoopConfig(url=f"http://127.0.0.1:{fake.server_address[1]}", rates=(5.0,), duration_s=1.0,
+                             drain_s=0.5, json_path=None)
+        begun = time.perf_counter()
+        r = run_rate(cfg, 5.0)
+        fake.shutdown()
+    assert time.perf_counter() - begun < 1.0 + 0.5 + 2.0  # the window, the drain, and no more
+    assert r["arrivals"] == r["failed"] > 0 and r["statuses"] == [status], r
+    assert r["unfinished"] == (r["failed"] if mode == "hang" else 0)
+    assert "after 16 bytes" in r["errors"][0]
+
+
+def test_no_server_fails_before_the_run(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tmp_path / "r.json"
+    with pytest.raises(ValueError, match=f"the warm-up request to http://127.0.0.1:{port} failed"):
+        run_and_report(OpenLoopConfig(url=f"http://127.0.0.1:{port}", rates=(1.0,), json_path=str(path)))
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rates": (5.0, 0.0)}, "--rates must be numbers > 0"),
+    ({"rates": ()}, "--rates must be numbers > 0"),
+    ({"duration_s": 0}, "--duration must be > 0"),
+    ({"p95_target_ms": -1}, "--p95-target-ms must be > 0"),
+    ({"url": "ftp://x"}, "plain http:// server"),
+])
+def test_bad_settings_say_what_to_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OpenLoopConfig(**kwargs)
