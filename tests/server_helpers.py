@@ -27,7 +27,7 @@ class ServerProcess:
     """``chattts-velocity serve`` as a child process; ``url`` once healthy."""
 
     def __init__(self, model_dir: str, *args: str, api_key: str | None = API_KEY, log_path: str | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, ready_timeout: float = 120):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "chattts_velocity.cli", "serve", "--model", model_dir, "--device", "cpu",
@@ -38,7 +38,7 @@ class ServerProcess:
         env.pop("CHATTTS_VELOCITY_API_KEY", None)
         self.log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy(120)
+        self._wait_healthy(ready_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -46,7 +46,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode} before it was healthy")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

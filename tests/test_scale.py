@@ -1,18 +1,23 @@
 """The speech server on Ray Serve: ``chattts-velocity serve --replicas 2`` joins a local Ray cluster that has two
 logical GPUs (one replica each, on the CPU, over a tiny checkpoint). Through Serve's proxy the ``openai`` SDK
 streams the same audio as the single-process server; requests spread over both replicas; voices and metrics are
-shared; a disconnect frees the blocks on the replica that served it; Serve's queue answers 429 with
-``Retry-After``; a killed replica fails only its own streams and is replaced. Loopback only, every wait bounded."""
+shared; a disconnect frees the blocks on the replica that served it; a full replica answers 429 with OpenAI's error
+body and ``Retry-After``; a killed replica fails only its own streams and is replaced; SIGTERM drains (503, as a lone
+server) while the streams in flight finish. Loopback only, every wait bounded and on the condition itself, never on
+a sleep: a replica's values are read from its own ``/metrics`` answer (``own_metrics``), or from another replica's
+view of them (as old as its last report) only once that view shows the event that the test waits for."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import io
 import os
 import signal
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 # Before Ray is imported: its processes then bind and talk on 127.0.0.1 only (the variable makes Ray take the
 # loopback address as the node's, as it does on macOS), and it reports no usage statistics.
@@ -32,12 +37,16 @@ from chattts_velocity.server.scale import APP_NAME, REPLICA_HEADER, application 
 from chattts_velocity.server.settings import ScaleConfig  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+KUBERAY = Path(__file__).resolve().parent.parent / "examples" / "kuberay"
 TEXT = "Hello there. This is a test of the speech server."
 LONG = " ".join(f"Sentence number {i} keeps this request generating for a while." for i in range(30))
-LONGER = " ".join(f"Sentence number {i} keeps this request generating for a while." for i in range(100))
-"""Still generating seconds after its first audio, so that a per-replica snapshot (sent every second) sees its
-blocks in use: the tiny CPU engine got through ``LONG`` before a snapshot once its decode got faster."""
+HELD = " ".join(f"Sentence number {i} keeps this request generating for a while." for i in range(1000))
+"""Generates for far longer than any test holds it open, however fast or busy the machine: a stream of it keeps its
+replica's running slot (its blocks in use) or its queue place until the test closes it."""
 SPEECH = "/v1/audio/speech"
+MAX_CONCURRENT, MAX_QUEUE = 2, 4
+"""Each replica's limits (``--max-concurrent``, ``--max-queue``): it admits their sum of speech requests, then 429.
+One replica alone admits every burst the tests send at once: Serve's proxy spreads a burst unevenly at times."""
 STREAMED = " ".join(f"Sentence number {i} keeps this request generating for a while." for i in range(6))
 """Long enough that its audio leaves the replica as several chunks: ``TEXT``'s two sentences were done on the
 tiny CPU engine before Serve's proxy sent the first, and twice in five CI runs arrived as one chunk."""
@@ -58,9 +67,8 @@ def wait_for(check, timeout: float, what: str, period: float = 0.25):
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def per_replica(url: str) -> dict[str, dict[str, float]]:
-    """``GET /metrics`` as {replica: {sample: value}}; a sample's other labels are part of its key."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+def parse_metrics(text: str) -> dict[str, dict[str, float]]:
+    """A ``/metrics`` exposition as {replica: {sample: value}}; a sample's other labels are part of its key."""
     families = list(text_string_to_metric_families(text))
     names = [f.name for f in families]
     assert len(names) == len(set(names)), "a metric family appears twice"
@@ -74,10 +82,28 @@ def per_replica(url: str) -> dict[str, dict[str, float]]:
     return dict(out)
 
 
-def settled(url: str) -> dict[str, dict[str, float]]:
-    """Metrics once every replica has reported since the last request (they report every second)."""
-    time.sleep(1.3)
-    return per_replica(url)
+def per_replica(url: str) -> dict[str, dict[str, float]]:
+    """``GET /metrics`` as {replica: {sample: value}}: the answering replica's own values, the others' as they
+    last reported (up to a report period old, and gone once a replica stops reporting)."""
+    return parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
+
+
+def own_metrics(url: str, replicas=None, timeout: float = 60) -> dict[str, dict[str, float]]:
+    """{replica: {sample: value}} for each of ``replicas`` (default: every replica ``/metrics`` shows), each read
+    from a ``/metrics`` that this replica answered itself: its values now, not as last reported. Serve's proxy
+    sends each request to either replica, so this asks until each has answered."""
+    seen: dict[str, dict[str, float]] = {}
+    wanted = set(replicas or ())
+
+    def each_answered():
+        r = httpx.get(url + "/metrics", timeout=30)
+        everyone = parse_metrics(r.text)
+        seen[r.headers[REPLICA_HEADER]] = everyone[r.headers[REPLICA_HEADER]]
+        wanted.update(() if replicas else everyone)
+        return wanted <= set(seen) and {replica: seen[replica] for replica in wanted}
+
+    return wait_for(each_answered, timeout, f"/metrics answered by each of {sorted(wanted) or 'the replicas'}",
+                    period=0)
 
 
 def ok_count(metrics: dict[str, float]) -> float:
@@ -101,8 +127,8 @@ def ray_address():
 def server(ray_address, upstream_ckpt, tmp_path_factory):
     log = tmp_path_factory.mktemp("scale") / "server.log"
     srv = ServerProcess(upstream_ckpt, "--replicas", "2", "--ray-address", ray_address, "--gpus-per-replica", "1",
-                        "--max-new-token", "48", "--max-concurrent", "2", "--max-queue", "8",
-                        "--max-input-chars", "8000", log_path=str(log))
+                        "--max-new-token", "48", "--max-concurrent", str(MAX_CONCURRENT), "--max-queue", str(MAX_QUEUE),
+                        "--max-input-chars", str(len(HELD)), log_path=str(log), ready_timeout=300)
     try:
         wait_for(lambda: len(per_replica(srv.url)) == 2, 150, "both replicas reporting metrics", period=1)
     except BaseException:
@@ -159,10 +185,51 @@ def test_serve_options_and_app_builder_arguments_build_one_application(upstream_
         app_builder({"dummy": "yes"})
 
 
+def test_the_kuberay_manifest_deploys_the_app_builder_with_the_settings_of_serve_replicas():
+    """examples/kuberay/rayservice.yaml: Serve's own schema accepts its application config, whose import path is
+    ``app_builder`` and whose args build the Serve application with the settings that ``chattts-velocity serve``
+    makes of the same options; its cluster runs the Ray this project pins and has a GPU for every replica."""
+    import importlib
+
+    import yaml
+    from ray import serve
+    from ray.serve.schema import ServeDeploySchema
+
+    from chattts_velocity.cli import build_parser, serve_settings
+    from chattts_velocity.server.scale import app_builder
+    from chattts_velocity.server.settings import ServeSettings, parse_options
+
+    manifest = yaml.safe_load((KUBERAY / "rayservice.yaml").read_text())
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
+    config = ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
+    [app] = config.applications
+    assert (app.name, app.route_prefix) == (APP_NAME, "/")
+    module, name = app.import_path.split(":")
+    builder = getattr(importlib.import_module(module), name)
+    assert builder is app_builder
+    assert isinstance(builder(app.args), serve.Application)
+    settings = ServeSettings.from_options(parse_options(app.args), replicas=True)
+    command = ["serve"] + [arg for key, value in app.args.items() for arg in ("--" + key.replace("_", "-"), str(value))]
+    assert "--replicas" in command and serve_settings(build_parser().parse_args(command)) == settings
+    assert config.http_options.keep_alive_timeout_s == settings.server.keep_alive_s
+
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray.__version__
+    dockerfile = (KUBERAY / "Dockerfile").read_text()
+    assert f"FROM rayproject/ray:{ray.__version__}-" in dockerfile
+    pods = [cluster["headGroupSpec"]["template"]] + [group["template"] for group in cluster["workerGroupSpecs"]]
+    for pod in pods:  # the API key reaches app_builder wherever Serve runs it
+        [container] = pod["spec"]["containers"]
+        assert "CHATTTS_VELOCITY_API_KEY" in {env["name"] for env in container["env"]}, container["name"]
+    gpus = sum(group["replicas"] * group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+               for group in cluster["workerGroupSpecs"])
+    assert gpus >= settings.scale.replicas * settings.scale.gpus_per_replica > 0
+
+
 def test_the_board_forgets_replicas_that_stop_reporting_and_renders_each_labelled():
     from types import SimpleNamespace
 
-    from chattts_velocity.server.cluster import MetricsBoard
+    from chattts_velocity.server.cluster import ReplicaBoard
     from chattts_velocity.server.metrics import Metrics, labelled
 
     def stats(kv_used: int) -> SimpleNamespace:
@@ -172,7 +239,7 @@ def test_the_board_forgets_replicas_that_stop_reporting_and_renders_each_labelle
     def metrics(replica: str) -> Metrics:
         return Metrics(SimpleNamespace(waiting=0, running=1), labels={"replica": replica})
 
-    board = MetricsBoard(stale_s=0.2)
+    board = ReplicaBoard(stale_s=0.2)
     board.report("a", metrics("a").collect(stats(3)))
     time.sleep(0.3)
     board.report("b", metrics("b").collect(stats(5)))
@@ -186,6 +253,26 @@ def test_the_board_forgets_replicas_that_stop_reporting_and_renders_each_labelle
     families = [f.name for f in text_string_to_metric_families(text)]
     assert len(families) == len(set(families))
     assert 'chattts_kv_blocks_used{replica="a"} 3.0' in text and 'chattts_kv_blocks_used{replica="b"} 5.0' in text
+
+
+def test_the_board_is_drained_once_every_replica_knows_and_has_no_request_left():
+    from chattts_velocity.server.cluster import ReplicaBoard
+
+    board = ReplicaBoard(stale_s=60)
+    assert board.report("a", [], admitted=1) is False and board.report("b", [], admitted=0) is False
+    assert not board.drained()  # nobody drains
+    board.drain()
+    assert board.report("a", [], admitted=1, draining=False) is True  # the answer tells a replica to drain
+    assert not board.drained()
+    board.report("b", [], admitted=0, draining=False)
+    assert not board.drained(), "b had not yet heard of the drain when it counted: a request may have come since"
+    board.report("b", [], admitted=0, draining=True)
+    board.report("a", [], admitted=1, draining=True)
+    assert not board.drained(), "a still has a request"
+    board.report("a", [], admitted=0, draining=True)
+    assert board.drained()
+    board.report("c", [], admitted=0, draining=False)  # a replica that started meanwhile
+    assert not board.drained()
 
 
 # ------------------------------------------------------------------ through Serve's proxy
@@ -210,13 +297,13 @@ def test_openai_sdk_streams_the_single_process_servers_audio(client, chat):
 
 
 def test_requests_spread_over_both_replicas_and_metrics_count_each(server):
-    before = settled(server.url)
+    before = own_metrics(server.url)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         responses = list(pool.map(lambda seed: post(server.url, body(seed=seed)), range(6)))
     assert [r.status_code for r in responses] == [200] * 6
     served = [r.headers[REPLICA_HEADER] for r in responses]
     assert set(served) == set(before), served
-    after = settled(server.url)
+    after = own_metrics(server.url, before)  # each body was whole: its replica has counted it
     for replica in before:
         assert ok_count(after[replica]) - ok_count(before[replica]) == served.count(replica)
         assert after[replica]["chattts_kv_blocks_total"] > 0
@@ -248,41 +335,71 @@ def test_a_voice_registered_through_one_replica_is_usable_through_all(server, cl
 
 
 def test_a_disconnect_frees_the_blocks_on_the_replica_that_served_it(server):
-    before = settled(server.url)
-    with httpx.stream("POST", server.url + SPEECH, headers=AUTH, json=body(LONGER), timeout=60) as r:
+    before = own_metrics(server.url)
+    with httpx.stream("POST", server.url + SPEECH, headers=AUTH, json=body(HELD), timeout=60) as r:
         assert r.status_code == 200
         replica = r.headers[REPLICA_HEADER]
-        chunks = r.iter_raw()
+        chunks = r.iter_raw()  # held: a dropped iterator closes the connection
         next(chunks)
+        first_audio = before[replica]["chattts_time_to_first_audio_seconds_count"] + 1
 
         def generating() -> bool:
-            next(chunks)  # keep reading: the request must still be running when we leave
-            return per_replica(server.url)[replica]["chattts_kv_blocks_used"] > 0
+            # any replica's view of this one will do, once it is from after this request's first audio
+            m = per_replica(server.url)[replica]
+            return m["chattts_time_to_first_audio_seconds_count"] >= first_audio and m["chattts_kv_blocks_used"] > 0
 
-        wait_for(generating, 20, "the serving replica's blocks in use", period=0)
+        wait_for(generating, 60, "the serving replica's blocks in use", period=0.1)
     # the connection is closed: the proxy cancels the replica's request, which aborts its engine requests
 
     def freed():
+        # a view from after this request's first audio with no request running is from after its end
         m = per_replica(server.url)[replica]
-        return m["chattts_kv_blocks_used"] == 0 and m["chattts_running_requests"] == 0 and m
+        done = m["chattts_time_to_first_audio_seconds_count"] >= first_audio and m["chattts_running_requests"] == 0
+        return done and m["chattts_kv_blocks_used"] == 0 and m
 
-    after = wait_for(freed, 15, "the blocks freed")
-    assert after["chattts_time_to_first_audio_seconds_count"] == \
-        before[replica]["chattts_time_to_first_audio_seconds_count"] + 1
+    after = wait_for(freed, 60, "the blocks freed", period=0.1)
+    assert after["chattts_time_to_first_audio_seconds_count"] == first_audio
     assert after["chattts_real_time_factor_count"] == before[replica]["chattts_real_time_factor_count"], \
         "the request ran to its end instead of being aborted"
 
 
-def test_beyond_the_replicas_slots_and_serves_queue_is_429_with_retry_after(server):
-    """Each replica takes 2 running + HEADROOM requests and the proxy queues up to 8 more: of 32 at once, some
-    are refused at once (how many depends on how fast the others finish, and in a burst Serve may refuse a
-    little early), every other one succeeds, and the server recovers."""
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        responses = list(pool.map(lambda seed: post(server.url, body(seed=seed)), range(32)))
-    codes = [r.status_code for r in responses]
-    assert set(codes) == {200, 429}, codes
-    refused = next(r for r in responses if r.status_code == 429)
-    assert int(refused.headers["retry-after"]) >= 1 and refused.text
+def assert_openai_error(response: httpx.Response, status: int, type_: str) -> None:
+    """``response`` is ``status`` with OpenAI's error body of ``type_`` (the single server's), and ``Retry-After``."""
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"] == "application/json", response.headers
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == type_ and error["message"], error
+    assert int(response.headers["retry-after"]) >= 1
+
+
+def test_a_full_replica_answers_429_with_openais_error_body_and_retry_after(server):
+    """Each replica admits MAX_CONCURRENT running and MAX_QUEUE queued speech requests. Streams (``HELD``: admitted
+    until closed) are opened one after the other until each replica has refused one: each refuses when it holds
+    exactly its own limits (never early: Serve's proxy may route unevenly, a replica's limits are its own), as the
+    single server refuses; then a burst is refused by both; once the streams close, the server serves again."""
+    per_replica_limit = MAX_CONCURRENT + MAX_QUEUE
+    admitted: dict[str, int] = defaultdict(int)
+    refusals: dict[str, httpx.Response] = {}
+    with httpx.Client(headers=AUTH, timeout=60) as http, contextlib.ExitStack() as held:
+        for seed in range(8 * per_replica_limit):  # bounded: each stream lands on either replica
+            r = held.enter_context(http.stream("POST", server.url + SPEECH, json=body(HELD, seed)))
+            replica = r.headers[REPLICA_HEADER]
+            if r.status_code == 200:
+                admitted[replica] += 1
+                continue
+            r.read()
+            r.close()
+            refusals[replica] = r
+            if len(refusals) == 2:
+                break
+        assert len(refusals) == 2, (dict(admitted), {k: v.status_code for k, v in refusals.items()})
+        for replica, refused in refusals.items():
+            assert_openai_error(refused, 429, "rate_limit_error")
+            assert admitted[replica] == per_replica_limit, (replica, dict(admitted))
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            burst = list(pool.map(lambda seed: post(server.url, body(seed=seed)), range(6)))
+        for r in burst:
+            assert_openai_error(r, 429, "rate_limit_error")
     assert post(server.url, body()).status_code == 200
 
 
@@ -352,14 +469,21 @@ def test_bench_serve_drives_the_replicas(server):
     assert rows[1]["rtf_total"] > rows[0]["rtf_total"] > 0
 
 
-def test_sigterm_lets_the_streams_in_flight_finish_and_exits_0(server):
+def test_sigterm_drains_with_503_while_the_streams_in_flight_finish_and_exits_0(server):
     whole = len(post(server.url, body(LONG, 5)).content)
-    with httpx.stream("POST", server.url + SPEECH, headers=AUTH, json=body(LONG, 5), timeout=60) as r:
+    with httpx.stream("POST", server.url + SPEECH, headers=AUTH, json=body(LONG, 5), timeout=60) as r, \
+            httpx.stream("POST", server.url + SPEECH, headers=AUTH, json=body(HELD), timeout=60) as held:
         chunks = r.iter_raw()
         size = len(next(chunks))
+        assert held.status_code == 200  # while it streams, the replicas are not done draining: the route stays
         server.terminate()
-        # new requests are refused while the replicas drain: Serve's proxy has dropped the application's route
-        wait_for(lambda: post(server.url, body()).status_code == 404, 20, "new requests refused", period=0.1)
+        # new requests are refused while the replicas drain, as a lone server refuses them
+        refused = wait_for(lambda: (answer := post(server.url, body())).status_code != 200 and answer, 30,
+                           "new requests refused", period=0.1)
+        assert_openai_error(refused, 503, "server_error")
+        health = wait_for(lambda: (answer := httpx.get(server.url + "/health", timeout=30)).status_code != 200
+                          and answer, 30, "/health failing", period=0.1)
+        assert health.status_code == 503 and health.json() == {"status": "draining"}
         size += sum(len(c) for c in chunks)
     assert r.status_code == 200 and size == whole
     assert server.proc.wait(90) == 0

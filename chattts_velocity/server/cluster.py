@@ -1,7 +1,7 @@
 """What the Ray Serve replicas of one speech server share (``scale.py``): two small actors, registered voices
-(``VoiceStore``) and every replica's latest metrics (``MetricsBoard``); each replica's ``ReplicaLink`` to them;
-and ``ReplicaClient``, the replica's engine client with the two plugged in, so that the app over it is the
-one-process server's."""
+(``VoiceStore``) and what every replica reports each period (``ReplicaBoard``: its metrics, its admitted requests,
+and whether the application drains); each replica's ``ReplicaLink`` to them; and ``ReplicaClient``, the replica's
+engine client with the two plugged in, so that the app over it is the one-process server's."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import ray
 from prometheus_client import Metric
@@ -16,7 +17,10 @@ from ray import serve
 
 from ..engine import EngineStats
 from ..serving.local import LocalClient
-from .metrics import Metrics, labelled
+from .metrics import labelled
+
+if TYPE_CHECKING:
+    from .app import SpeechState
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
 
@@ -34,24 +38,52 @@ class VoiceStore:
         return list(self.records.values())
 
 
-class MetricsBoard:
-    """Every replica's latest metric families. A replica that stopped reporting (killed) drops out after
-    ``stale_s``; one that shuts down cleanly leaves at once."""
+class Report(NamedTuple):
+    """One replica's latest report to the board."""
+
+    at: float
+    """When it arrived (the board's monotonic clock)."""
+    families: list
+    """Its metric families (``Metrics.collect``)."""
+    admitted: int
+    """Speech requests it has admitted and not finished (running or queued)."""
+    draining: bool
+    """Whether it was draining when it counted ``admitted``."""
+
+
+class ReplicaBoard:
+    """Every replica's latest report, and whether the application drains (each replica learns it from the
+    answer to its next report). A replica that stopped reporting (killed) drops out after ``stale_s``; one that
+    shuts down cleanly leaves at once."""
 
     def __init__(self, stale_s: float = 10.0):
         self.stale_s = stale_s
-        self.latest: dict[str, tuple[float, list]] = {}
+        self.latest: dict[str, Report] = {}
+        self.draining = False
 
-    def report(self, replica: str, families: list) -> None:
-        self.latest[replica] = (time.monotonic(), families)
+    def report(self, replica: str, families: list, admitted: int = 0, draining: bool = False) -> bool:
+        """Record ``replica``'s report; returns whether the application drains."""
+        self.latest[replica] = Report(time.monotonic(), families, admitted, draining)
+        return self.draining
 
     def forget(self, replica: str) -> None:
         self.latest.pop(replica, None)
 
+    def drain(self) -> None:
+        self.draining = True
+
+    def drained(self) -> bool:
+        """Draining, and every replica has reported since it knew, with no request admitted."""
+        return self.draining and all(r.draining and not r.admitted for r in self._live().values())
+
     def snapshot(self) -> dict[str, list]:
+        """Every live replica's latest metric families."""
+        return {replica: report.families for replica, report in self._live().items()}
+
+    def _live(self) -> dict[str, Report]:
         now = time.monotonic()
-        self.latest = {r: (t, f) for r, (t, f) in self.latest.items() if now - t <= self.stale_s}
-        return {r: f for r, (_, f) in self.latest.items()}
+        self.latest = {r: report for r, report in self.latest.items() if now - report.at <= self.stale_s}
+        return self.latest
 
 
 class _Shared:
@@ -98,25 +130,38 @@ class _StoreVoices:
 
 
 class ReplicaLink:
-    """A replica's link to the others: the shared ``voices`` (``VoiceRegistry``'s ``SharedVoices``), and their
-    latest metrics (``peers``). A thread reports this replica's metrics every ``period_s``."""
+    """A replica's link to the others: the shared ``voices`` (``VoiceRegistry``'s ``SharedVoices``), their
+    latest metrics (``peers``) and the drain. A thread reports this replica every ``period_s``."""
 
     def __init__(self, replica: str, period_s: float):
         self.replica, self.period_s = replica, period_s
         self.voices = _StoreVoices(_Shared("voices"))
-        self.board = _Shared("metrics")
+        self.board = _Shared("board")
         self._stop = threading.Event()
 
-    def start_reporting(self, metrics: Metrics, stats: Callable[[], EngineStats]) -> None:
-        """Report ``metrics`` (with the engine's ``stats()``) every period, from a thread of its own."""
-        threading.Thread(target=self._report, args=(metrics, stats), name="metrics-report", daemon=True).start()
+    def start_reporting(self, state: SpeechState, stats: Callable[[], EngineStats]) -> None:
+        """Report ``state``'s metrics (with the engine's ``stats()``) and admitted requests every period, from a
+        thread of its own; once the board says the application drains, ``state`` drains too."""
+        threading.Thread(target=self._report, args=(state, stats), name="replica-report", daemon=True).start()
 
-    def _report(self, metrics: Metrics, stats: Callable[[], EngineStats]) -> None:
+    def _report(self, state: SpeechState, stats: Callable[[], EngineStats]) -> None:
         while not self._stop.wait(self.period_s):
             try:
-                self.board.call("report", self.replica, metrics.collect(stats()))
+                draining = state.draining  # before counting: a request admitted after it is refused
+                admission = state.admission
+                admitted = admission.running + admission.waiting
+                if self.board.call("report", self.replica, state.metrics.collect(stats()), admitted, draining):
+                    state.draining = True
             except Exception as e:  # noqa: BLE001 - the board is being recreated: report next period
-                logger.warning("metrics report failed: %s", e)
+                logger.warning("replica report failed: %s", e)
+
+    def drain(self) -> None:
+        """Tell every replica to drain (each learns it within a period)."""
+        self.board.call("drain")
+
+    def drained(self) -> bool:
+        """Whether every replica drains and has no request left (``ReplicaBoard.drained``)."""
+        return self.board.call("drained")
 
     async def peers(self) -> list[list[Metric]]:
         """Every other replica's latest families, each series labelled with its replica."""
@@ -124,13 +169,13 @@ class ReplicaLink:
         return [labelled(f, {"replica": r}) for r, f in sorted(families.items()) if r != self.replica]
 
     def stop(self) -> None:
-        """Stop reporting and take this replica's series off the board (not waited for: the replica is
-        shutting down, and its series expire on the board anyway)."""
+        """Stop reporting and take this replica off the board (not waited for: the replica is shutting down,
+        and its report expires on the board anyway)."""
         self._stop.set()
         try:
             self.board.send("forget", self.replica)
         except Exception as e:  # noqa: BLE001
-            logger.warning("could not remove this replica's metrics: %s", e)
+            logger.warning("could not remove this replica's report: %s", e)
 
 
 class ReplicaClient(LocalClient):

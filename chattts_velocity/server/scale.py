@@ -3,11 +3,13 @@
 replicas=2``; needs ``pip install -e ".[scale]"`` from a clone, or ``"chattts-velocity[scale]"``).
 
 Each replica is the whole one-process server, ``build_app`` over a ``ReplicaClient`` of its own ``Chat``, so the
-routes, schema, errors, streaming and SSE are the same. Serve's HTTP proxy (no GPU) sends each request to a
-replica with few ongoing requests, streams the body back as it is produced, and cancels the replica's request
-when the client goes away (the body's ``finally`` aborts its engine requests, freeing their blocks). Two small
-actors shared by the replicas (``cluster.py``; Serve deployment actors, living as long as the deployment) hold
-what every replica must see: registered voices and every replica's latest metrics.
+routes, schema, errors, streaming and SSE are the same, and so are the limits: each replica admits its own
+``max_concurrent`` running and ``max_queue`` waiting requests and answers 429 (OpenAI's error body, ``Retry-After``)
+beyond them. Serve's HTTP proxy (no GPU) sends each request to a replica with few ongoing requests, streams the
+body back as it is produced, and cancels the replica's request when the client goes away (the body's ``finally``
+aborts its engine requests, freeing their blocks). Two small actors shared by the replicas (``cluster.py``; Serve
+deployment actors, living as long as the deployment) hold what every replica must see: registered voices, and
+every replica's latest report (metrics, admitted requests) with whether the application drains.
 
 Ray is imported by this module and ``cluster.py`` only: the rest of the package works without it."""
 
@@ -16,15 +18,15 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import replace
 
 import ray
 from ray import serve
 from ray.serve.config import BackpressureConfig, DeploymentActorConfig
+from ray.serve.exceptions import RayServeException
 
 from ..serving.load import load_chat
 from .app import build_app
-from .cluster import MetricsBoard, ReplicaClient, ReplicaLink, VoiceStore
+from .cluster import ReplicaBoard, ReplicaClient, ReplicaLink, VoiceStore
 from .settings import ScaleConfig, ServerConfig, ServeSettings, parse_options
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
@@ -33,9 +35,11 @@ APP_NAME = "chattts-velocity"
 REPLICA_HEADER = "x-chattts-replica"
 """Response header naming the replica that answered (its Serve replica id)."""
 HEADROOM = 4
-"""Requests a replica takes beyond its ``max_concurrent`` running slots: Serve counts every request as
-ongoing, so without them ``/metrics``, ``/health`` and voice requests would wait behind a full replica's
-speech streams. Speech requests among them wait in the replica's own queue."""
+"""Requests a replica takes beyond its speech requests' ``max_concurrent + max_queue``: Serve counts every request
+as ongoing, so without them ``/metrics``, ``/health``, voice requests and the speech requests that the replica
+refuses (429) would wait at Serve's proxy behind a full replica's streams."""
+DRAIN_POLL_S = 0.25
+"""How often ``run`` asks whether the draining replicas are done."""
 
 
 class _ReplicaHeader:
@@ -68,13 +72,26 @@ class SpeechReplica:
         # Ray shows a replica only its own GPU, as ``cuda``: an unset device and dtype are chosen here
         chat = load_chat(load, audio_round_ms=server.audio_round_ms)
         self.client = ReplicaClient(chat, ReplicaLink(self.replica, metrics_period_s), server.voices_dir)
+        self.state = None
 
     def __serve_build_asgi_app__(self):
         app = build_app(self.client, self.server, metric_labels={"replica": self.replica})
+        self.state = app.state.speech
         engine = self.client.chat.engine
-        self.client.link.start_reporting(app.state.speech.metrics, lambda: engine.stats().engine)
+        self.client.link.start_reporting(self.state, lambda: engine.stats().engine)
         app.add_middleware(_ReplicaHeader, replica=self.replica)
         return app
+
+    def drain(self) -> None:
+        """Through a handle (``run``): this replica, and every other within a report period, answers new speech
+        requests 503 and ``/health`` 503, as a lone server does on SIGTERM; the route stays, and with it the
+        streams in flight."""
+        self.state.draining = True
+        self.client.link.drain()
+
+    def drained(self) -> bool:
+        """Through a handle: whether every replica drains and has no speech request left."""
+        return self.client.link.drained()
 
     def check_health(self) -> None:
         """Serve calls this every ``health_check_period_s``; raising marks the replica for replacement."""
@@ -92,18 +109,18 @@ def application(scale: ScaleConfig, server: ServerConfig, load: dict):
     """The Serve application: ``SpeechReplica`` with its options, bound to its arguments."""
     options = dict(
         ray_actor_options={"num_gpus": scale.gpus_per_replica, "num_cpus": scale.cpus_per_replica},
-        # Serve also sizes the replica's worker-thread pool to this: a request holds one thread at a time
-        max_ongoing_requests=server.max_concurrent + HEADROOM,
-        # Serve queues at each proxy (at least one request); beyond, 429 with Retry-After as a lone server does
-        max_queued_requests=max(1, server.max_queue),
+        # a replica's own admission refuses what it cannot take (429 with OpenAI's error body, as a lone server)
+        max_ongoing_requests=server.max_concurrent + server.max_queue + HEADROOM,
+        # Serve queues at each proxy only while every replica has that many (its refusals are quick): bounded
+        # like a lone server's connections, beyond which its 429 has Serve's plain-text body
+        max_queued_requests=server.max_connections,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=server.retry_after_s),
         health_check_period_s=scale.health_check_period_s,
         graceful_shutdown_timeout_s=server.shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,
         deployment_actors=[
             DeploymentActorConfig(name="voices", actor_class=ray.remote(VoiceStore), actor_options={"num_cpus": 0}),
-            DeploymentActorConfig(name="metrics", actor_class=ray.remote(MetricsBoard),
-                                  actor_options={"num_cpus": 0}),
+            DeploymentActorConfig(name="board", actor_class=ray.remote(ReplicaBoard), actor_options={"num_cpus": 0}),
         ],
     )
     if scale.autoscaling:
@@ -112,15 +129,13 @@ def application(scale: ScaleConfig, server: ServerConfig, load: dict):
                                          "target_ongoing_requests": target}
     else:
         options["num_replicas"] = scale.replicas
-    # the replica's own queue holds only what the headroom lets in; the real queue is Serve's
-    replica_server = replace(server, max_queue=HEADROOM)
-    return SpeechReplica.options(**options).bind(replica_server, load, scale.stall_s, scale.metrics_period_s)
+    return SpeechReplica.options(**options).bind(server, load, scale.stall_s, scale.metrics_period_s)
 
 
-def app_builder(args: dict[str, str]):
+def app_builder(args: dict[str, object]):
     """``serve run chattts_velocity.server.scale:app_builder model=DIR replicas=2 max_concurrent=128``: the
-    options of ``chattts-velocity serve`` as key=value (a flag as ``dummy=true``). ``serve run`` itself sets
-    the cluster, host and port."""
+    options of ``chattts-velocity serve`` as key=value (a flag as ``dummy=true``), or as a Serve config's
+    ``args`` (``examples/kuberay/rayservice.yaml``). ``serve run`` itself sets the cluster, host and port."""
     settings = ServeSettings.from_options(parse_options(args), replicas=True)
     return application(settings.scale, settings.server, settings.load)
 
@@ -135,8 +150,9 @@ def _raise_stop(*_) -> None:
 
 def run(settings: ServeSettings) -> int:
     """Deploy ``settings.scale``'s replicas on its Ray cluster (or a new local Ray instance) and serve until
-    SIGTERM/SIGINT; then delete the application (each replica finishes its requests, up to
-    ``shutdown_timeout_s``; a second signal cuts that short) and return 0."""
+    SIGTERM/SIGINT; then drain as a lone server does (new speech requests 503, the streams in flight finish, up to
+    ``shutdown_timeout_s``), delete the application (Serve gives a stream still going the same time again) and
+    return 0. A second signal cuts the wait short."""
     scale, server = settings.scale, settings.server
     ray.init(address=scale.ray_address)
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
@@ -152,6 +168,7 @@ def run(settings: ServeSettings) -> int:
                 time.sleep(3600)
         except _Stop:
             pass
+        _drain(server.shutdown_timeout_s)
         serve.delete(APP_NAME)
         if scale.ray_address is None:  # our own instance: its proxy and controller go too
             serve.shutdown()
@@ -160,3 +177,19 @@ def run(settings: ServeSettings) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+def _drain(timeout_s: float) -> None:
+    """Every replica drains; wait until none has a speech request left, at most ``timeout_s``. Serve's proxy keeps
+    the route meanwhile: a new request gets the replicas' 503, not the 404 of a deleted application."""
+    try:
+        handle = serve.get_app_handle(APP_NAME)
+    except RayServeException:  # a signal before the application was deployed
+        return
+    deadline = time.monotonic() + timeout_s
+    try:
+        handle.drain.remote().result(timeout_s=timeout_s)
+        while time.monotonic() < deadline and not handle.drained.remote().result(timeout_s=timeout_s):
+            time.sleep(DRAIN_POLL_S)
+    except (TimeoutError, RayServeException, ray.exceptions.RayError) as e:
+        logger.warning("the replicas did not drain (%s): the application is deleted now", e)
