@@ -19,10 +19,18 @@ import time
 import torch
 
 from chattts_velocity import Chat
+from chattts_velocity.engine.engine_config import ENGINE_DTYPES
+from chattts_velocity.kernels.linear import CpuWeight
 
 
 def distinct_bytes(tensors) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    """Bytes of the distinct storages of ``tensors``; a ``CpuWeight`` (a CPU engine dtype's packed matrix) counts
+    its matrix and scales."""
+    storages = {}
+    for t in tensors:
+        for part in (t.data, t.scale) if isinstance(t, CpuWeight) else (t,):
+            if part is not None:
+                storages[part.untyped_storage().data_ptr()] = part.untyped_storage().nbytes()
     return sum(storages.values())
 
 
@@ -37,7 +45,7 @@ def resident_mib() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engine-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    ap.add_argument("--engine-dtype", default="float32", choices=ENGINE_DTYPES)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     chat = Chat()

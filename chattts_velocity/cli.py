@@ -16,6 +16,7 @@ import torch
 from . import __version__
 from .bench.cli import add_bench_parser
 from .chat import Chat
+from .device import default_engine_dtype
 from .model.checkpoint import write_checkpoint
 from .model.loader import ModelNotFoundError
 from .say import MAX_NEW_TOKEN, RANDOM_MAX_NEW_TOKEN, say
@@ -38,11 +39,12 @@ def _say(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> Chat:
-    """``Chat.load`` as the Python API does it (``say``: its own defaults, float32 included)."""
+    """``Chat.load`` with the serving entry points' engine dtype (``--engine-dtype``, else
+    ``default_engine_dtype``)."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     chat = Chat()
-    chat.load(**_weights(args))
+    chat.load(**_weights(args), engine_dtype=args.engine_dtype or default_engine_dtype(args.device))
     return chat
 
 
@@ -98,6 +100,9 @@ def _add_say_parser(sub) -> None:
                      help=f"audio tokens per sentence at most (default: {MAX_NEW_TOKEN}; {RANDOM_MAX_NEW_TOKEN} with "
                           "--dummy or a test-size --model, whose random weights rarely end a sentence)")
     say.add_argument("--no-refine", action="store_true", help="skip the text-refine pass")
+    say.add_argument("--engine-dtype", default=None, choices=ENGINE_DTYPES,
+                     help="engine dtype (default: float16 on CUDA and on x86 CPUs (float16 matrices, float32 "
+                          "compute), float32 elsewhere)")
     say.set_defaults(func=_say)
 
 
@@ -174,7 +179,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--kv-cache-gib", type=float, default=None,
                    help="engine: KV cache size (default: 40%% of the free GPU memory, 1 GiB on CPU)")
     s.add_argument("--engine-dtype", default=None, choices=ENGINE_DTYPES,
-                   help="engine dtype (default: float16 on CUDA, float32 on CPU)")
+                   help="engine dtype (default: float16 on CUDA and on x86 CPUs (float16 matrices, float32 "
+                        "compute), float32 elsewhere; int8 and bfloat16 matrices on CPU only trade agreement for "
+                        "speed)")
     s.add_argument("--max-window-tokens", type=int, default=SERVE_WINDOW_TOKENS,
                    help="engine: most tokens (steps x sequences) per multi-step decode window, so arriving "
                         "requests wait less under load (default: %(default)s; 0: no cap)")
@@ -237,7 +244,9 @@ def _add_synth_parser(sub) -> None:
                    help="lines in flight (default: twice --max-num-seqs)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="engine: sequences decoded together (default: 64)")
     s.add_argument("--engine-dtype", default=None, choices=ENGINE_DTYPES,
-                   help="engine dtype (default: float16 on CUDA, float32 on CPU)")
+                   help="engine dtype (default: float16 on CUDA and on x86 CPUs (float16 matrices, float32 "
+                        "compute), float32 elsewhere; int8 and bfloat16 matrices on CPU only trade agreement for "
+                        "speed)")
     s.set_defaults(func=_synth)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.linear import cpu_weight_formats
+
 
 def available_devices() -> list[str]:
     """The devices this machine can run the model on."""
@@ -33,6 +35,10 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 def default_engine_dtype(device: torch.device | str | None) -> str:
     """The engine dtype the serving entry points (``serve``, ``webui``, ``synth``, ``bench``, a Ray replica) use
-    unless told otherwise: float16 on CUDA (the GPU's fast path), float32 on the CPU (exact, and what its matmuls
-    are fastest at). ``Chat.load`` keeps float32 as its own default, as upstream's Python API computes."""
-    return "float16" if resolve_device(device).type == "cuda" else "float32"
+    unless told otherwise: float16, the fast path on both. On CUDA the whole core computes in float16; on the
+    CPU only the matrices are stored in float16 and multiplied in float32 (fbgemm), which follows the float32
+    engine closely (`chattts-velocity bench agreement`, docs/perf/cpu.md); float32 where fbgemm does not run
+    (a non-x86 CPU). ``Chat.load`` keeps float32 as its own default, as upstream's Python API computes."""
+    if resolve_device(device).type == "cuda" or "float16" in cpu_weight_formats():
+        return "float16"
+    return "float32"

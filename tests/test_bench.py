@@ -16,10 +16,12 @@ import pytest
 from chattts_velocity.bench.cli import bench_config
 from chattts_velocity.cli import build_parser, main
 from chattts_velocity.constants import SAMPLE_RATE, SAMPLES_PER_TOKEN
+from chattts_velocity.device import default_engine_dtype
 
 TOKENS_PER_AUDIO_S = SAMPLE_RATE / SAMPLES_PER_TOKEN  # 46.875
 ROW_KEYS = {
     "path",
+    "dtype",
     "batch",
     "tokens",
     "step_ms_p50",
@@ -38,6 +40,7 @@ ROW_KEYS = {
 }
 SPEEDUP_KEYS = {
     "batch",
+    "dtype",
     "step_ms_p50",
     "steps_per_s",
     "tokens_per_s",
@@ -50,6 +53,7 @@ META_KEYS = {
     "torch",
     "triton",
     "dtype",
+    "dtypes",
     "size",
     "tokens",
     "batches",
@@ -79,7 +83,9 @@ def both_paths(tmp_path_factory):
 def test_json_has_meta_a_row_per_path_and_batch_and_speedups(both_paths):
     report, _ = both_paths
     assert META_KEYS <= report["meta"].keys()
-    assert report["meta"]["dtype"] == "float32" and report["meta"]["size"] == "tiny"
+    cpu_default = default_engine_dtype("cpu")
+    assert report["meta"]["dtype"] == cpu_default and report["meta"]["size"] == "tiny"
+    assert report["meta"]["dtypes"] == [cpu_default]
     assert report["meta"]["command"].startswith("chattts-velocity bench --size tiny --batch 1 2 --tokens 8")
     assert set(report["definitions"]) >= {"ttfa_s", "steps_per_s", "tokens_per_s", "e2e_audio_s_per_s"}
     assert sorted((r["path"], r["batch"]) for r in report["rows"]) == [
@@ -90,6 +96,7 @@ def test_json_has_meta_a_row_per_path_and_batch_and_speedups(both_paths):
     ]
     for row in report["rows"]:
         assert ROW_KEYS <= row.keys(), ROW_KEYS - row.keys()
+        assert row["dtype"] == ("float32" if row["path"] == "reference" else cpu_default)
     assert [s["batch"] for s in report["speedups"]] == [1, 2]
     for s in report["speedups"]:
         assert s.keys() == SPEEDUP_KEYS
@@ -99,7 +106,7 @@ def test_figures_are_positive_and_consistent(both_paths):
     report, _ = both_paths
     for row in report["rows"]:
         b = row["batch"]
-        for key in ROW_KEYS - {"path"}:
+        for key in ROW_KEYS - {"path", "dtype"}:
             assert row[key] > 0, (row["path"], b, key)
         assert row["generated_tokens"] == b * 8
         assert row["tokens_per_s"] == pytest.approx(b * row["steps_per_s"], rel=1e-6)
@@ -116,6 +123,7 @@ def test_speedups_are_velocity_over_reference(both_paths):
     rows = {(r["path"], r["batch"]): r for r in report["rows"]}
     for s in report["speedups"]:
         ref, vel = rows[("reference", s["batch"])], rows[("velocity", s["batch"])]
+        assert s["dtype"] == vel["dtype"]
         assert s["tokens_per_s"] == pytest.approx(vel["tokens_per_s"] / ref["tokens_per_s"])
         assert s["ttfa_s"] == pytest.approx(ref["ttfa_s"] / vel["ttfa_s"])
         assert s["step_ms_p50"] == pytest.approx(ref["step_ms_p50"] / vel["step_ms_p50"])
@@ -131,6 +139,61 @@ def test_table_fits_100_columns_with_a_line_per_path_and_the_speedups(both_paths
         assert lines[i + 2].count("x") == 4  # four speedup columns filled
     assert "The step-time speedup leaves out what tokens/s" in printed
     assert any(line.startswith("wrote ") and line.endswith("bench.json") for line in lines)
+
+
+def test_several_dtypes_are_measured_in_one_run_their_timed_runs_taking_turns(tmp_path, monkeypatch):
+    """Each velocity dtype gets its rows, speedups and table lines; after every variant's warm-up, the timed runs
+    go variant after variant, repeat after repeat, so a busy machine slows them alike."""
+    from chattts_velocity.bench import runner
+
+    order = []
+    run_velocity = runner.run_velocity
+
+    def recording(engine, prompt, batch, tokens, seed, clock):
+        order.append((engine.config.dtype, tokens))
+        return run_velocity(engine, prompt, batch, tokens, seed, clock)
+
+    monkeypatch.setattr(runner, "run_velocity", recording)
+    path = tmp_path / "bench.json"
+    rc, printed = run_cli([*TINY_CPU, "--batch", "1", "--tokens", "30", "--repeats", "2", "--dtype", "float32",
+                           "int8", "--json", str(path)])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert [(r["path"], r["dtype"], r["batch"]) for r in report["rows"]] == [
+        ("reference", "float32", 1), ("velocity", "float32", 1), ("velocity", "int8", 1)]
+    assert [(s["dtype"], s["batch"]) for s in report["speedups"]] == [("float32", 1), ("int8", 1)]
+    assert report["meta"]["dtypes"] == ["float32", "int8"] and "--dtype float32 int8" in report["meta"]["command"]
+    warm = min(30, 24)  # the warm-up's short run: TTFA_TOKENS
+    assert order == [("float32", warm), ("int8", warm), ("float32", 30), ("int8", 30), ("float32", 30),
+                     ("int8", 30)]
+    lines = printed.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.split()[:2] == ["1", "reference"])
+    assert [" ".join(line.split()[:2]) for line in lines[i + 1 : i + 5]] == [
+        "velocity fp32", "speedup fp32", "velocity int8", "speedup int8"]
+    assert max(len(line) for line in lines) <= 100
+
+
+def test_agreement_mode_reports_each_cpu_dtype_against_float32(tmp_path):
+    path = tmp_path / "agreement.json"
+    rc, printed = run_cli(["bench", "agreement", "--size", "tiny", "--batch", "1", "2", "--tokens", "20",
+                           "--dtype", "float16", "int8", "--json", str(path)])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert (report["size"], report["tokens"]) == ("tiny", 20)
+    assert [(r["batch"], r["dtype"]) for r in report["rows"]] == [(1, "float16"), (1, "int8"), (2, "float16"),
+                                                                  (2, "int8")]
+    for row in report["rows"]:
+        assert 0.9 <= row["agreement"] <= 1 and row["offline_snr_db"] > 20 and row["streamed_snr_db"] > 20
+    assert "| 1 | int8 |" in printed and printed.rstrip().endswith("agreement.json")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype", "float32"], "bench agreement compares the CPU engine dtypes float16, bfloat16, int8"),
+    (["--device", "cuda"], "bench agreement compares the CPU engine dtypes: leave out --device"),
+])
+def test_agreement_mode_refuses_what_it_cannot_compare(args, message, tmp_path, capsys):
+    assert main(["bench", "agreement", "--size", "tiny", *args, "--json", str(tmp_path / "a.json")]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_skip_reference_omits_reference_rows(tmp_path):
@@ -158,6 +221,8 @@ def test_skip_reference_omits_reference_rows(tmp_path):
         (["--reference-max-batch", "0"], "--reference-max-batch must be an int >= 1"),
         (["--kv-cache-gib", "0"], "--kv-cache-gib must be > 0"),
         (["--device", "tpu"], "--device must be"),
+        (["--dtype", "int8", "int8"], "--dtype values must be distinct"),
+        (["stream", "--dtype", "int8", "float16"], "bench stream measures one engine dtype"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_clear_error(args, message, tmp_path, capsys):
@@ -227,7 +292,9 @@ def test_engine_config_fits_the_whole_batch_at_once():
     from chattts_velocity.engine import EngineConfig
 
     cfg = engine_config(BenchConfig(size="tiny", device="cpu", batches=(3,)), batch=3, seq_len=40)
-    assert cfg.max_num_seqs == 3 and not cfg.enable_prefix_caching and cfg.dtype == "float32"
+    assert cfg.max_num_seqs == 3 and not cfg.enable_prefix_caching and cfg.dtype == default_engine_dtype("cpu")
+    assert engine_config(BenchConfig(size="tiny", device="cpu", dtypes=("float32", "int8")), 3, 40).dtype == "float32"
+    assert engine_config(BenchConfig(size="tiny", device="cpu"), 3, 40, dtype="int8").dtype == "int8"
     per_seq = -(-40 // cfg.block_size)
     assert cfg.num_kv_blocks * (1 - cfg.watermark) >= 3 * per_seq
     assert engine_config(BenchConfig(size="tiny", device="cpu", max_num_seqs=2), 3, 40).max_num_seqs == 2

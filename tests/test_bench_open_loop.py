@@ -133,6 +133,19 @@ def test_a_rate_split_over_client_processes_counts_every_arrival_once(server):
     assert r["first_audio_p50_ms"] > 0
 
 
+def test_the_command_line_runs_the_open_loop(server, tmp_path, capsys):
+    from chattts_velocity.cli import main
+
+    path = tmp_path / "ol.json"
+    assert main(["bench", "serve", "--url", server.url, "--api-key", API_KEY, "--rates", "2", "--duration", "1",
+                 "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["config"]["rates"] == [2.0] and data["rows"][0]["arrivals"] == data["rows"][0]["completed"]
+    assert "sustained rate" in capsys.readouterr().out
+    assert main(["bench", "--rates", "5"]) == 2
+    assert "--rates drives a running server" in capsys.readouterr().err
+
+
 def test_non_200_answers_are_failures(server):
     cfg = OpenLoopConfig(url=server.url, rates=(4.0,), duration_s=1.0, api_key="wrong", json_path=None)
     r = run_rate(cfg, 4.0)

@@ -9,6 +9,7 @@ import torch
 
 from chattts_velocity import kernels as K
 from chattts_velocity.kernels import decode_cpu
+from chattts_velocity.kernels.linear import CPU_WEIGHT_FORMATS, CpuWeight
 from chattts_velocity.kernels.sampling import sample_rows_fused_ref
 from chattts_velocity.kernels.sampling_cpu import WindowSampler
 from chattts_velocity.kernels.sampling_hash import row_hash, uniform_at, uniform_from_hash
@@ -66,6 +67,26 @@ def test_linear_cpu_equals_fused_linear_ref_bit_for_bit():
             assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
         assert torch.equal(decode_cpu.linear_cpu(x, weight), K.fused_linear_ref(x, weight))
         assert torch.equal(decode_cpu.rms_norm_cpu(x, norm, torch.tensor(eps)), K.rms_norm_ref(x, norm, eps))
+
+
+@pytest.mark.parametrize("fmt", CPU_WEIGHT_FORMATS)
+def test_linear_cpu_with_a_cpu_weight_equals_fused_linear_ref_bit_for_bit(fmt):
+    """The CPU engine dtypes' matrices: the decode step's unchecked linear and the checked reference (the prefill
+    path) run the same kernel around the same norm and gate."""
+    gen = torch.Generator().manual_seed(2)
+    eps = 1e-5
+    for rows in (1, 5):
+        x, residual = torch.randn(rows, 64, generator=gen), torch.randn(rows, 64, generator=gen)
+        norm = 1 + 0.1 * torch.randn(64, generator=gen)
+        for out, gated in ((192, False), (256, True)):
+            weight = CpuWeight(torch.randn(out, 64, generator=gen) * 0.1, fmt)
+            kw = dict(norm_weight=norm, residual=residual, gated=gated)
+            expected = K.fused_linear_ref(x, weight, eps=eps, **kw)
+            got = decode_cpu.linear_cpu(x, weight, eps=torch.tensor(eps), **kw)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+            assert torch.equal(K.fused_linear(x, weight, eps=eps, **kw)[0], expected[0])
+        assert torch.equal(decode_cpu.linear_cpu(x, weight), K.fused_linear_ref(x, weight))
+        assert torch.equal(decode_cpu.linear_cpu(x, weight), weight(x))
 
 
 @pytest.mark.parametrize("way", ["chain", "partition", "few"])

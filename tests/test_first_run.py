@@ -134,8 +134,6 @@ def subcommands() -> dict:
 def test_every_option_of_every_subcommand_states_its_default():
     checked = 0
     for name, sub in subcommands().items():
-        if name == "bench":  # its parser is chattts_velocity/bench/cli.py's own
-            continue
         for action in sub._actions:
             if not action.option_strings or action.nargs == 0 or action.required:  # flags are off unless given
                 continue

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 
+from .agreement import AgreementConfig
+from .agreement import run_and_report as run_agreement
 from .config import DEFAULT_BATCHES, DTYPES, SIZES, BenchConfig
+from .open_loop import OpenLoopConfig
+from .open_loop import run_and_report as run_open_loop
 from .realtime import RealtimeBenchConfig
 from .realtime import run_and_report as run_realtime
 from .runner import run_and_report
@@ -17,7 +21,8 @@ from .stream import run_and_report as run_stream
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
-        size=args.size, batches=tuple(args.batch), tokens=args.tokens, device=args.device, dtype=args.dtype,
+        size=args.size, batches=tuple(args.batch), tokens=args.tokens, device=args.device,
+        dtypes=tuple(args.dtype or ()),
         json_path=args.json, plot_path=args.plot, skip_reference=args.skip_reference,
         reference_max_batch=args.reference_max_batch, seed=args.seed, repeats=args.repeats,
         decode_batch=args.decode_batch, max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib,
@@ -35,11 +40,25 @@ def realtime_config(args: argparse.Namespace) -> RealtimeBenchConfig:
     )
 
 
+def open_loop_config(args: argparse.Namespace) -> OpenLoopConfig:
+    return OpenLoopConfig(
+        url=args.url.rstrip("/"), rates=tuple(args.rates), duration_s=args.duration,
+        p95_target_ms=args.p95_target_ms, seed=args.seed, api_key=args.api_key,
+        json_path=args.json if args.json != "bench.json" else "bench_open_loop.json",
+        streams_per_process=args.streams_per_process,
+    )
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.realtime and args.mode != "serve":
         raise ValueError("--realtime drives a running server: chattts-velocity bench serve --realtime")
+    if args.rates and (args.mode != "serve" or args.realtime):
+        raise ValueError("--rates drives a running server in open loop: chattts-velocity bench serve --rates 5 20 80")
     if args.realtime:
         run_realtime(realtime_config(args))
+        return 0
+    if args.rates:
+        run_open_loop(open_loop_config(args))
         return 0
     if args.mode == "serve":
         run_serve(ServeBenchConfig(
@@ -48,9 +67,20 @@ def _bench(args: argparse.Namespace) -> int:
             plot_path=args.plot, streams_per_process=args.streams_per_process, trace=args.trace,
         ))
         return 0
+    if args.mode == "agreement":
+        if args.device not in (None, "cpu"):
+            raise ValueError("bench agreement compares the CPU engine dtypes: leave out --device or give cpu")
+        run_agreement(AgreementConfig(
+            size=args.size, batches=tuple(args.batch), tokens=args.tokens, dtypes=tuple(args.dtype or AgreementConfig.dtypes),
+            seed=args.seed, json_path=args.json if args.json != "bench.json" else "bench_agreement.json",
+        ))
+        return 0
     if args.mode == "stream":
+        if args.dtype and len(args.dtype) > 1:
+            raise ValueError(f"bench stream measures one engine dtype, got --dtype {' '.join(args.dtype)}")
         run_stream(StreamBenchConfig(
-            streams=tuple(args.streams), tokens=args.tokens, size=args.size, device=args.device, dtype=args.dtype,
+            streams=tuple(args.streams), tokens=args.tokens, size=args.size, device=args.device,
+            dtype=args.dtype[0] if args.dtype else None,
             repeats=args.repeats if args.repeats > 1 else 2,
             reference_max_streams=0 if args.skip_reference else args.reference_max_batch,
             json_path=args.json if args.json != "bench.json" else "bench_stream.json",
@@ -66,14 +96,17 @@ def add_bench_parser(sub) -> None:
                                    "random weights and prompt: per-step latency, tokens/s, audio seconds per "
                                    "second (GPT alone and with the wav decode), time to first audio and peak "
                                    "memory.")
-    b.add_argument("mode", nargs="?", default="engine", choices=["engine", "stream", "serve"],
+    b.add_argument("mode", nargs="?", default="engine", choices=["engine", "stream", "serve", "agreement"],
                    help="engine: decode speed of both paths (default); stream: concurrent streaming calls, time "
                         "to first audio and real-time factor, velocity vs upstream-style reference streaming; "
-                        "serve: drive a running speech server (--url) over HTTP")
+                        "serve: drive a running speech server (--url) over HTTP; agreement: each CPU engine "
+                        "dtype's top-1 codes (and wav SNR) against the float32 engine's under teacher forcing "
+                        "(--tokens steps, --batch, --dtype; CPU)")
     b.add_argument("--streams", type=int, nargs="+", default=[1, 8, 64, 256],
                    help="stream and serve modes: concurrent streams per level (default: 1 8 64 256)")
-    b.add_argument("--url", default="http://127.0.0.1:8000", help="serve mode: the server to drive")
-    b.add_argument("--api-key", default=None, help="serve mode: the server's API key")
+    b.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="serve mode: the server to drive (default: %(default)s)")
+    b.add_argument("--api-key", default=None, help="serve mode: the server's API key (default: none)")
     b.add_argument("--streams-per-process", type=int, default=16,
                    help="serve mode: clients per client process; larger levels use several (default: 16)")
     b.add_argument("--trace", action="store_true",
@@ -90,21 +123,36 @@ def add_bench_parser(sub) -> None:
                    help="serve --realtime: share of contexts cancelled at their first audio (default: 0.2)")
     b.add_argument("--sentences", type=int, default=3,
                    help="serve --realtime: sentences of each context's text (default: 3)")
-    b.add_argument("--size", default="full", choices=SIZES, help="full (real shapes) or tiny random weights")
+    b.add_argument("--rates", type=float, nargs="+", default=None, metavar="REQ_PER_S",
+                   help="serve mode, open loop: Poisson arrivals at each rate (requests/s) for --duration s; first "
+                        "audio p50/p95/p99, underruns, start delay, failures and the highest sustained rate "
+                        "(default: none, the closed-loop --streams levels)")
+    b.add_argument("--duration", type=float, default=30.0,
+                   help="serve --rates: seconds of arrivals per rate (default: %(default)s)")
+    b.add_argument("--p95-target-ms", type=float, default=150.0,
+                   help="serve --rates: first audio p95 a rate must stay within to be sustained (default: %(default)s)")
+    b.add_argument("--size", default="full", choices=SIZES,
+                   help="full (real shapes) or tiny random weights (default: %(default)s)")
     b.add_argument("--batch", type=int, nargs="+", default=list(DEFAULT_BATCHES),
                    help="batch sizes: concurrent requests submitted at once (default: 1 16 64 256)")
-    b.add_argument("--tokens", type=int, default=500, help="audio tokens generated per sequence, exactly")
+    b.add_argument("--tokens", type=int, default=500,
+                   help="audio tokens generated per sequence, exactly (default: %(default)s)")
     b.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
-    b.add_argument("--dtype", default=None, choices=DTYPES,
-                   help="velocity engine dtype (default: float16 on cuda, float32 on cpu); the reference "
-                        "runs in float32 as upstream does")
+    b.add_argument("--dtype", default=None, nargs="+", choices=DTYPES,
+                   help="velocity engine dtypes, each measured beside the reference in the same run (on the CPU "
+                        "their timed runs take turns) (default: float16; float32 on a CPU without fbgemm); the "
+                        "reference runs in float32 as upstream does")
     b.add_argument("--json", default="bench.json", help="results file (default: bench.json)")
-    b.add_argument("--plot", default=None, metavar="PNG", help="also draw a chart (needs matplotlib)")
+    b.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw a chart (needs matplotlib) (default: none)")
     b.add_argument("--skip-reference", action="store_true", help="measure the velocity engine only")
     b.add_argument("--reference-max-batch", type=int, default=None, metavar="N",
                    help="run the reference only at batches <= N (default: every batch)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the random weights and of sampling")
-    b.add_argument("--repeats", type=int, default=1, help="timed runs per variant; figures are medians")
+    b.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights and of sampling; serve --rates: of the arrival times "
+                        "(default: %(default)s)")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per variant; figures are medians (default: %(default)s)")
     b.add_argument("--decode-batch", type=int, default=32,
                    help="sequences per Decoder+Vocos call when decoding the wavs (default: 32)")
     b.add_argument("--max-num-seqs", type=int, default=None,

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from ..device import default_engine_dtype, resolve_device
+from ..engine.engine_config import ENGINE_DTYPES
 
 SIZES = ("tiny", "full")
-DTYPES = ("float16", "bfloat16", "float32")
+DTYPES = ENGINE_DTYPES
 DEFAULT_BATCHES = (1, 16, 64, 256)
 
 
@@ -26,9 +27,9 @@ class BenchConfig:
     """Audio tokens generated per sequence, exactly (EOS is masked until then)."""
     device: str | None = None
     """Torch device; None: cuda if available, else cpu."""
-    dtype: str | None = None
-    """Velocity engine dtype; None: float16 on cuda, float32 on cpu. The reference runs as loaded
-    (float32, as upstream)."""
+    dtypes: tuple[str, ...] = ()
+    """Velocity engine dtypes, one velocity variant each; empty: the device's default
+    (``device.default_engine_dtype``). The reference runs as loaded (float32, as upstream)."""
     json_path: str = "bench.json"
     """Where the results go."""
     plot_path: str | None = None
@@ -70,8 +71,11 @@ class BenchConfig:
                 f"--tokens must be an int >= 2 (one prefill step and at least one decode step), "
                 f"got {self.tokens!r}"
             )
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for dtype in self.dtypes:
+            if dtype not in DTYPES:
+                raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if len(set(self.dtypes)) != len(self.dtypes):
+            raise ValueError(f"--dtype values must be distinct, got {list(self.dtypes)}")
         if self.reference_max_batch is not None:
             _positive("--reference-max-batch", self.reference_max_batch)
         if self.max_num_seqs is not None:
@@ -99,8 +103,8 @@ class BenchConfig:
         return self.device if self.device is not None else str(resolve_device(None))
 
     @property
-    def resolved_dtype(self) -> str:
-        return self.dtype if self.dtype is not None else default_engine_dtype(self.resolved_device)
+    def resolved_dtypes(self) -> tuple[str, ...]:
+        return self.dtypes or (default_engine_dtype(self.resolved_device),)
 
     def runs_reference(self, batch: int) -> bool:
         return not self.skip_reference and (
@@ -121,7 +125,7 @@ class BenchConfig:
             "--device",
             self.resolved_device,
             "--dtype",
-            self.resolved_dtype,
+            *self.resolved_dtypes,
             "--json",
             self.json_path,
             "--seed",

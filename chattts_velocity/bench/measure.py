@@ -100,13 +100,14 @@ class AudioTiming:
 
 
 def variant_row(
-    path: str, batch: int, tokens: int, gen: GenerationTiming, audio: AudioTiming, peak_gib: float
+    path: str, dtype: str, batch: int, tokens: int, gen: GenerationTiming, audio: AudioTiming, peak_gib: float
 ) -> dict:
     """The reported figures of one timed run (see ``DEFINITIONS``)."""
     generated = sum(h.shape[0] for h in gen.hiddens)
     audio_s = generated * SAMPLES_PER_TOKEN / SAMPLE_RATE
     return {
         "path": path,
+        "dtype": dtype,
         "batch": batch,
         "tokens": tokens,
         "generated_tokens": generated,
@@ -150,7 +151,7 @@ SPEEDUP_KEYS = {
 
 def speedup_row(reference: dict, velocity: dict) -> dict:
     """How many times better the velocity engine is than the reference, per figure."""
-    row: dict = {"batch": velocity["batch"]}
+    row: dict = {"batch": velocity["batch"], "dtype": velocity["dtype"]}
     for key, kind in SPEEDUP_KEYS.items():
         ratio = velocity[key] / reference[key] if kind == "rate" else reference[key] / velocity[key]
         row[key] = ratio

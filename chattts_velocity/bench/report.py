@@ -1,5 +1,5 @@
-"""The benchmark's outputs: the JSON file, the printed table (one line per batch, both paths and the speedups)
-and the optional PNG chart."""
+"""The benchmark's outputs: the JSON file, the printed table (per batch, a line for the reference and, per
+velocity dtype, a line of figures and one of speedups) and the optional PNG chart."""
 
 from __future__ import annotations
 
@@ -64,30 +64,45 @@ def _fmt(value: float | None) -> str:
     return f"{value:.3g}" if value < 10 else f"{value:.1f}"
 
 
+SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "int8"}
+
+
+def _labels(meta: dict) -> dict[str, tuple[str, str]]:
+    """Per velocity dtype, its lines' path labels: "velocity" and "speedup", with the dtype when several run."""
+    dtypes = meta.get("dtypes", [meta["dtype"]])
+    if len(dtypes) == 1:
+        return {dtypes[0]: ("velocity", "speedup")}
+    return {d: (f"velocity {SHORT_DTYPES.get(d, d)}", f"speedup {SHORT_DTYPES.get(d, d)}") for d in dtypes}
+
+
 def format_table(report: dict) -> str:
-    """Per batch, a line of each path's figures and one of the speedups (velocity over reference), then what
-    the columns mean; under 100 columns."""
-    rows = {(r["path"], r["batch"]): r for r in report["rows"]}
-    speedups = {s["batch"]: s for s in report["speedups"]}
-    lines = [" ".join(["batch", "path".ljust(9), *(title.rjust(_WIDTH) for title, _, _ in TABLE_COLUMNS)])]
-    for batch in report["meta"]["batches"]:
-        for path in ("reference", "velocity"):
-            row = rows.get((path, batch), {})
-            cells = [_fmt(row.get(key)) for _, key, _ in TABLE_COLUMNS]
-            lines.append(_line(batch if path == "reference" else "", path, cells))
-        up = speedups.get(batch, {})
-        cells = [f"{up[key]:.1f}x" if ratio and key in up else "-" for _, key, ratio in TABLE_COLUMNS]
-        lines.append(_line("", "speedup", cells))
+    """Per batch, a line of the reference's figures, then for each velocity dtype a line of its figures and one
+    of its speedups over the reference, then what the columns mean; under 100 columns."""
     meta = report["meta"]
+    labels = _labels(meta)
+    width = max(9, *(len(label) for pair in labels.values() for label in pair))
+    rows = {(r["path"], r.get("dtype"), r["batch"]): r for r in report["rows"]}
+    speedups = {(s["batch"], s.get("dtype")): s for s in report["speedups"]}
+    reference = {r["batch"]: r for r in report["rows"] if r["path"] == "reference"}
+    lines = [" ".join(["batch", "path".ljust(width), *(title.rjust(_WIDTH) for title, _, _ in TABLE_COLUMNS)])]
+    for batch in meta["batches"]:
+        cells = [_fmt(reference.get(batch, {}).get(key)) for _, key, _ in TABLE_COLUMNS]
+        lines.append(_line(batch, "reference", cells, width))
+        for dtype, (velocity, speedup) in labels.items():
+            row = rows.get(("velocity", dtype, batch), {})
+            lines.append(_line("", velocity, [_fmt(row.get(key)) for _, key, _ in TABLE_COLUMNS], width))
+            up = speedups.get((batch, dtype), {})
+            cells = [f"{up[key]:.1f}x" if ratio and key in up else "-" for _, key, ratio in TABLE_COLUMNS]
+            lines.append(_line("", speedup, cells, width))
     lines.append(meta["device"])
-    lines.append(f"{meta['size']} model, {meta['tokens']} tokens per sequence, engine {meta['dtype']}, reference "
-                 f"{meta['reference_dtype']}")
+    lines.append(f"{meta['size']} model, {meta['tokens']} tokens per sequence, engine "
+                 f"{', '.join(labels)}, reference {meta['reference_dtype']}")
     lines.extend(TABLE_LEGEND)
     return "\n".join(lines)
 
 
-def _line(batch, path: str, cells: list[str]) -> str:
-    return " ".join([str(batch).rjust(5), path.ljust(9), *(c.rjust(_WIDTH) for c in cells)])
+def _line(batch, path: str, cells: list[str], width: int) -> str:
+    return " ".join([str(batch).rjust(5), path.ljust(width), *(c.rjust(_WIDTH) for c in cells)])
 
 
 def plot(report: dict, path: str) -> None:
@@ -98,18 +113,21 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    lines = [("reference", None, "reference")] + [("velocity", d, label) for d, (label, _) in
+                                                   _labels(report["meta"]).items()]
     for ax, (key, title) in zip(axes.flat, CHART_PANELS, strict=True):
-        for name in ("reference", "velocity"):
-            points = sorted((r["batch"], r[key]) for r in report["rows"] if r["path"] == name)
+        for kind, dtype, label in lines:
+            points = sorted((r["batch"], r[key]) for r in report["rows"]
+                            if r["path"] == kind and (dtype is None or r.get("dtype") == dtype))
             if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=name)
+                ax.plot(*zip(*points, strict=True), marker="o", label=label)
         ax.set(title=title, xlabel="batch", xscale="log", yscale="log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     meta = report["meta"]
     fig.suptitle(
         f"chattts-velocity bench: {meta['device']}, {meta['size']} model, {meta['tokens']} tokens, "
-        f"engine {meta['dtype']}"
+        f"engine {', '.join(meta.get('dtypes', [meta['dtype']]))}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,4 +1,4 @@
-"""Runs every (path, batch) variant of a benchmark on one random model and gathers the report."""
+"""Runs every (path, dtype, batch) variant of a benchmark on one random model and gathers the report."""
 
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ from .report import format_table, plot, prepare_output, require_matplotlib, writ
 
 # 36 prompt tokens once decorated as a code prompt with [speed_5] (random checkpoints' tokenizer).
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog."
-PATHS = ("reference", "velocity")
 
 
 @dataclass
@@ -76,10 +75,11 @@ def bench_prompt(model: LoadedModel, tokens: int, device: torch.device) -> Bench
     return BenchPrompt(ids[0], mask[0], text_mask[0])
 
 
-def engine_config(config: BenchConfig, batch: int, seq_len: int) -> EngineConfig:
-    """The engine for one batch: room for all of it at once, KV cache sized to what it needs unless given."""
+def engine_config(config: BenchConfig, batch: int, seq_len: int, dtype: str | None = None) -> EngineConfig:
+    """The engine for one batch: room for all of it at once, KV cache sized to what it needs unless given;
+    ``dtype`` (default: the first of the run's)."""
     settings: dict = dict(
-        dtype=config.resolved_dtype,
+        dtype=dtype or config.resolved_dtypes[0],
         max_num_seqs=config.max_num_seqs or batch,
         enable_prefix_caching=config.prefix_caching,
     )
@@ -99,46 +99,86 @@ def engine_config(config: BenchConfig, batch: int, seq_len: int) -> EngineConfig
     return EngineConfig(**settings)
 
 
-def _measure(ctx: _Context, path: str, batch: int, generate: Callable[[int], GenerationTiming]) -> dict:
-    """Warm up (a short run, and the wav decode at the timed run's exact shapes), then the timed runs; the
-    median of their figures."""
-    cfg, padded = ctx.config, path == "reference"
-    generate(min(cfg.tokens, TTFA_TOKENS))
-    # Full-length shapes: the first decode at a new length pays one-off costs (FFT plans, conv algorithm
-    # choice), which would otherwise land on whichever path decodes that length first.
+@dataclass
+class _Variant:
+    """One measured (path, dtype) at one batch: how it generates, and its timed runs' rows."""
+
+    path: str
+    dtype: str
+    generate: Callable[[int], GenerationTiming]
+    rows: list[dict]
+
+
+def _specs(ctx: _Context, batch: int) -> list[tuple[str, str]]:
+    """The batch's (path, dtype) variants: the reference (where it runs at this batch), then each velocity dtype."""
+    reference = [("reference", reference_dtype(ctx.model))] if ctx.config.runs_reference(batch) else []
+    return reference + [("velocity", dtype) for dtype in ctx.config.resolved_dtypes]
+
+
+def _variant(ctx: _Context, batch: int, path: str, dtype: str) -> _Variant:
+    cfg, model = ctx.config, ctx.model
+    if path == "reference":
+        def reference_run(tokens: int) -> GenerationTiming:
+            return run_reference(model.gpt, ctx.prompt, batch, tokens, model.config.eos_code, ctx.clock)
+
+        return _Variant(path, dtype, reference_run, [])
+    seq_len = ctx.prompt.ids.shape[0] + cfg.tokens
+    engine = LLMEngine.from_model(model, engine_config(cfg, batch, seq_len, dtype), ctx.device)
+
+    def velocity_run(tokens: int) -> GenerationTiming:
+        return run_velocity(engine, ctx.prompt, batch, tokens, cfg.seed, ctx.clock)
+
+    return _Variant(path, dtype, velocity_run, [])
+
+
+def _warm_up(ctx: _Context, variant: _Variant, batch: int) -> None:
+    """A short run, and the wav decode at the timed runs' exact shapes: the first decode at a new length pays
+    one-off costs (FFT plans, conv algorithm choice), which would otherwise land on whichever variant decodes
+    that length first."""
+    cfg = ctx.config
+    variant.generate(min(cfg.tokens, TTFA_TOKENS))
     silence = torch.zeros(cfg.tokens, ctx.model.config.hidden_size, device=ctx.device)  # [T, H]
-    time_audio(ctx.decoder, [silence] * batch, cfg.decode_batch, padded, ctx.clock)
+    time_audio(ctx.decoder, [silence] * batch, cfg.decode_batch, variant.path == "reference", ctx.clock)
+
+
+def _timed_run(ctx: _Context, variant: _Variant, batch: int) -> None:
+    cfg = ctx.config
+    ctx.meter.reset()
+    gen = variant.generate(cfg.tokens)
+    audio = time_audio(ctx.decoder, gen.hiddens, cfg.decode_batch, variant.path == "reference", ctx.clock)
+    variant.rows.append(variant_row(variant.path, variant.dtype, batch, cfg.tokens, gen, audio,
+                                    ctx.meter.peak_gib()))
+
+
+def _measure_batch(ctx: _Context, batch: int, bar: tqdm) -> list[dict]:
+    """Each variant's medians. On the CPU every variant is built and warmed up, then their timed runs take
+    turns (variant after variant, repeat after repeat), so that a machine busy with something else slows them
+    alike; on CUDA one variant at a time, so that each one's peak memory is its own."""
+    specs = _specs(ctx, batch)
+    groups = [specs] if ctx.device.type == "cpu" else [[spec] for spec in specs]
     rows = []
-    for _ in range(cfg.repeats):
-        ctx.meter.reset()
-        gen = generate(cfg.tokens)
-        audio = time_audio(ctx.decoder, gen.hiddens, cfg.decode_batch, padded, ctx.clock)
-        rows.append(variant_row(path, batch, cfg.tokens, gen, audio, ctx.meter.peak_gib()))
-        del gen
-    return median_row(rows)
+    for group in groups:
+        ctx.meter.reset()  # frees the previous variants' engines before these allocate
+        variants = [_variant(ctx, batch, path, dtype) for path, dtype in group]
+        for variant in variants:
+            _warm_up(ctx, variant, batch)
+        for _ in range(ctx.config.repeats):
+            for variant in variants:
+                bar.set_postfix_str(f"{variant.path} {variant.dtype} batch {batch}")
+                _timed_run(ctx, variant, batch)
+                bar.update()
+        rows += [median_row(v.rows) for v in variants]
+        del variants
+    return rows
 
 
-def _measure_reference(ctx: _Context, batch: int) -> dict:
-    def generate(tokens: int) -> GenerationTiming:
-        return run_reference(ctx.model.gpt, ctx.prompt, batch, tokens, ctx.model.config.eos_code, ctx.clock)
-
-    return _measure(ctx, "reference", batch, generate)
+def reference_dtype(model: LoadedModel) -> str:
+    return str(next(model.gpt.parameters()).dtype).removeprefix("torch.")
 
 
-def _measure_velocity(ctx: _Context, batch: int) -> dict:
-    seq_len = ctx.prompt.ids.shape[0] + ctx.config.tokens
-    engine = LLMEngine.from_model(ctx.model, engine_config(ctx.config, batch, seq_len), ctx.device)
-
-    def generate(tokens: int) -> GenerationTiming:
-        return run_velocity(engine, ctx.prompt, batch, tokens, ctx.config.seed, ctx.clock)
-
-    return _measure(ctx, "velocity", batch, generate)
-
-
-def variants(config: BenchConfig) -> list[tuple[str, int]]:
-    return [
-        (path, b) for b in config.batches for path in PATHS if path == "velocity" or config.runs_reference(b)
-    ]
+def num_variants(config: BenchConfig) -> int:
+    """How many (path, dtype, batch) variants the run measures."""
+    return sum(len(config.resolved_dtypes) + config.runs_reference(b) for b in config.batches)
 
 
 def run_bench(config: BenchConfig) -> dict:
@@ -158,14 +198,13 @@ def run_bench(config: BenchConfig) -> dict:
         Clock(device),
         meter,
     )
-    measure = {"reference": _measure_reference, "velocity": _measure_velocity}
     rows = []
-    bar = tqdm(variants(config), desc="bench", unit="variant", disable=not config.show_progress)
+    bar = tqdm(total=num_variants(config) * config.repeats, desc="bench", unit="run",
+               disable=not config.show_progress)
     with _quiet_reference():
-        for path, batch in bar:
-            bar.set_postfix_str(f"{path} batch {batch}")
-            meter.reset()  # frees the previous variant's engine before the next one allocates
-            rows.append(measure[path](ctx, batch))
+        for batch in config.batches:
+            rows += _measure_batch(ctx, batch, bar)
+    bar.close()
     return {"meta": _meta(ctx), "definitions": DEFINITIONS, "rows": rows, "speedups": _speedups(rows)}
 
 
@@ -182,12 +221,10 @@ def _quiet_reference() -> Iterator[None]:
 
 
 def _speedups(rows: list[dict]) -> list[dict]:
-    by_key = {(r["path"], r["batch"]): r for r in rows}
-    return [
-        speedup_row(by_key[("reference", b)], r)
-        for (path, b), r in by_key.items()
-        if path == "velocity" and ("reference", b) in by_key
-    ]
+    """Each velocity row over the reference row of its batch."""
+    reference = {r["batch"]: r for r in rows if r["path"] == "reference"}
+    return [speedup_row(reference[r["batch"]], r) for r in rows
+            if r["path"] == "velocity" and r["batch"] in reference]
 
 
 def _meta(ctx: _Context) -> dict:
@@ -198,8 +235,9 @@ def _meta(ctx: _Context) -> dict:
         "triton": _version("triton"),
         "python": platform.python_version(),
         "size": cfg.size,
-        "dtype": cfg.resolved_dtype,
-        "reference_dtype": str(next(ctx.model.gpt.parameters()).dtype).removeprefix("torch."),
+        "dtype": cfg.resolved_dtypes[0],
+        "dtypes": list(cfg.resolved_dtypes),
+        "reference_dtype": reference_dtype(ctx.model),
         "tokens": cfg.tokens,
         "batches": list(cfg.batches),
         "prompt_text": PROMPT_TEXT,

@@ -12,11 +12,11 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
-from urllib.parse import urlsplit
 
 import numpy as np
 
 from ..constants import SAMPLE_RATE
+from .http_client import Connection
 from .report import require_matplotlib
 
 TEXT = "Streaming speech for many users at once, chunk by chunk, as soon as it is generated."
@@ -59,64 +59,7 @@ CLIENT_BOUND = 0.8
 (a busy asyncio loop delays its streams well before it is saturated: see ``streams_per_process``)."""
 
 
-class _Connection:
-    """One user's keep-alive HTTP/1.1 connection, spoken by hand. A level times the server: an HTTP library's
-    own work for each request and chunk (httpx's is Python, on a client process's one event loop shared by its
-    16 users) would be counted as the server's latency."""
-
-    def __init__(self, url: str):
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"bench serve drives a plain http:// server, got {url!r}")
-        self.host, self.port = parts.hostname, parts.port or 80
-        self.authority = parts.netloc
-        self.prefix = parts.path.rstrip("/")
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-
-    async def request(self, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> int:
-        """Send a request (on a new connection if the last one ended) and read its status line and headers;
-        the status. ``body()`` then yields the response's body."""
-        if self._writer is None or self._reader.at_eof() or self._writer.is_closing():
-            await self.close()
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
-        lines = [f"{method} {self.prefix}{path} HTTP/1.1", f"Host: {self.authority}",
-                 f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
-        self._writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        head = (await self._reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-        status = int(head[0].split(" ", 2)[1])
-        self._headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:] if line)}
-        return status
-
-    async def body(self):
-        """The body of the response just read, piece by piece as it arrives (chunked or of a known length)."""
-        reader, headers = self._reader, self._headers
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            while True:
-                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                if size == 0:
-                    await reader.readuntil(b"\r\n")  # no trailers are sent
-                    break
-                yield await reader.readexactly(size)
-                await reader.readexactly(2)
-        elif "content-length" in headers:
-            left = int(headers["content-length"])
-            while left:
-                piece = await reader.read(min(left, 1 << 16))
-                if not piece:
-                    raise ConnectionError("the server closed the connection before the body's end")
-                left -= len(piece)
-                yield piece
-        if headers.get("connection", "").lower() == "close":
-            await self.close()
-
-    async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._reader = self._writer = None
-
-
-async def _one(conn: _Connection, cfg: ServeBenchConfig, seed: int) -> dict:
+async def _one(conn: Connection, cfg: ServeBenchConfig, seed: int) -> dict:
     body = json.dumps({"model": "tts-1", "voice": cfg.voice, "input": cfg.text, "response_format": "pcm",
                        "seed": seed}).encode()
     headers = {"Content-Type": "application/json", "Accept": "application/octet-stream"}
@@ -156,9 +99,9 @@ async def _users(cfg: ServeBenchConfig, users: range, barrier=None) -> tuple[lis
     Before it each user's connection is opened (a ``GET /health`` each, at once), then ``barrier`` (if any) is
     waited for, so a level times the server and not the clients' own start: 16 client processes started
     together connect their streams on the cores the server uses."""
-    conns = [_Connection(cfg.url) for _ in users]
+    conns = [Connection(cfg.url) for _ in users]
 
-    async def warm(conn: _Connection) -> None:
+    async def warm(conn: Connection) -> None:
         await conn.request("GET", "/health", {})
         async for _ in conn.body():
             pass
@@ -169,7 +112,7 @@ async def _users(cfg: ServeBenchConfig, users: range, barrier=None) -> tuple[lis
         await asyncio.to_thread(barrier.wait)
     start, cpu = time.perf_counter(), time.process_time()
 
-    async def user(u: int, conn: _Connection) -> list[dict]:
+    async def user(u: int, conn: Connection) -> list[dict]:
         results = []
         for k in range(cfg.requests_per_stream):
             results.append({**await _one(conn, cfg, u * cfg.requests_per_stream + k), "nth": k})

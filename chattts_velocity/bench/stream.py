@@ -37,7 +37,7 @@ class StreamBenchConfig:
     """``full`` random weights of the real shapes, or ``tiny``."""
     device: str | None = None
     dtype: str | None = None
-    """Engine dtype; None: float16 on CUDA, float32 on CPU."""
+    """Engine dtype; None: ``device.default_engine_dtype``."""
     repeats: int = 2
     """Timed runs per variant; every figure is the median over them (underruns: the most)."""
     reference_max_streams: int | None = None

@@ -6,7 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.float32}
+ENGINE_DTYPES = tuple(_DTYPES)
+"""The engine dtypes (``EngineConfig.dtype``)."""
+CPU_WEIGHTS = {"float16": "float16", "bfloat16": "bfloat16", "int8": "int8"}
+"""Engine dtype -> the ``kernels.linear.CpuWeight`` format of the Llama core's matrices and the code and text heads
+on the CPU; the activations, norms, embeddings and KV cache stay float32 there (``core_format``)."""
+CPU_ONLY = ("int8",)
+"""Engine dtypes that only the CPU runs."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,13 @@ class EngineConfig:
     watermark: float = 0.01
     """Fraction of blocks kept free when admitting requests, so running ones can grow without preemption."""
     dtype: str = "float32"
-    """Dtype of the Llama core and its KV cache: float32, float16 or bfloat16 (logits are always float32)."""
+    """The Llama core's dtype (logits are always float32). On CUDA: float32, float16 or bfloat16 activations,
+    weights and KV cache. On the CPU: float32 everything, or float32 activations and KV cache with the matrices
+    (the code and text heads too) stored as float16, bfloat16 or int8 (a scale per output row), which a CPU
+    step, bound by reading the weights, streams fewer bytes of (``CPU_WEIGHTS``; `chattts-velocity
+    bench agreement` measures how closely each follows float32, docs/perf/cpu.md). On the CPU float16's and int8's
+    kernels compute each row alone, so a request gets the same bits in any batch; float32's (MKL) and
+    bfloat16's (oneDNN) GEMMs round differently by batch size at the full model's sizes."""
     num_decode_steps: int = 32
     """Decode steps per scheduler call when the batch is all audio decodes (the device updates the inputs
     between them); 1 schedules every step. No window runs past every sequence's length limit, but a sequence
@@ -78,7 +91,19 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The core's dtype on CUDA (``core_format`` gives it on any device)."""
         return _DTYPES[self.dtype]
+
+    def core_format(self, device: torch.device) -> tuple[torch.dtype, str | None]:
+        """The Llama core's activation and KV-cache dtype on ``device``, and the ``CpuWeight`` format of its
+        matrices (None: stored in that dtype). ``ValueError`` for a CPU-only dtype elsewhere."""
+        if device.type == "cpu":
+            weights = CPU_WEIGHTS.get(self.dtype)
+            return (torch.float32 if weights else self.torch_dtype), weights
+        if self.dtype in CPU_ONLY:
+            raise ValueError(f"engine dtype {self.dtype!r} runs on the CPU only; on {device} use float16, bfloat16 "
+                             "or float32")
+        return self.torch_dtype, None
 
 
 def _positive(name: str, value) -> None:

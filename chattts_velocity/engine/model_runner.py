@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..kernels.linear import CpuWeight
 from ..model.llama import AttentionMetadata, LlamaCore
 from .engine_config import EngineConfig
 from .multi_step import MultiStepDecoder
@@ -62,10 +63,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.spk_emb_id = spk_emb_id
         gpt.ensure_llama()  # (an engine built again over a model whose reference weights were let go)
-        self.core = LlamaCore(gpt.llama, config.torch_dtype, device)
+        dtype, weights = config.core_format(device)
+        self.core = LlamaCore(gpt.llama, dtype, device, weights)
         self.num_blocks = num_kv_blocks(config, gcfg, device)
         self.kv_caches = _allocate_kv(self.num_blocks, config, gcfg, device)
-        self.sampler = Sampler(gpt.embed, gcfg.num_vq, gcfg.eos_code, text_eos_id)
+        if weights is None:
+            self.sampler = Sampler(gpt.embed, gcfg.num_vq, gcfg.eos_code, text_eos_id)
+        else:
+            self.sampler = CpuHeadSampler(gpt.embed, gcfg.num_vq, gcfg.eos_code, text_eos_id, weights)
         use_graphs = device.type == "cuda" and not config.enforce_eager
         with torch.no_grad():  # the audio codes' embedding table, one for the prefill steps and the windows
             codes = gpt.embed.fuse_code_tables()  # [Q * V, H], [Q]
@@ -204,10 +209,27 @@ class ModelRunner:
         return emb
 
 
-def kv_block_bytes(config: EngineConfig, gcfg) -> int:
-    """Bytes of one KV block over every layer (keys and values)."""
+class CpuHeadSampler(Sampler):
+    """A ``Sampler`` whose code and text heads are ``CpuWeight``s of the engine's CPU weight format (a full-size
+    text head is as large as three layers)."""
+
+    def __init__(self, embed, num_vq: int, code_eos: int, text_eos: int, weights: str):
+        super().__init__(embed, num_vq, code_eos, text_eos)
+        self.code_head = CpuWeight(self.code_head, weights)  # [Q * V, H]
+        self.text_head = CpuWeight(self.text_head, weights)  # [V_text, H]
+
+    def code_logits(self, hidden: Tensor) -> Tensor:
+        return self.code_head(hidden).view(hidden.size(0) * self.num_vq, -1)
+
+    def text_logits(self, hidden: Tensor) -> Tensor:
+        return self.text_head(hidden)
+
+
+def kv_block_bytes(config: EngineConfig, gcfg, device: torch.device) -> int:
+    """Bytes of one KV block over every layer (keys and values) on ``device``."""
     per_token = 2 * gcfg.num_hidden_layers * gcfg.num_key_value_heads * (gcfg.hidden_size // gcfg.num_attention_heads)
-    return per_token * config.block_size * torch.empty(0, dtype=config.torch_dtype).element_size()
+    dtype, _ = config.core_format(device)
+    return per_token * config.block_size * torch.empty(0, dtype=dtype).element_size()
 
 
 def num_kv_blocks(config: EngineConfig, gcfg, device: torch.device) -> int:
@@ -221,7 +243,7 @@ def num_kv_blocks(config: EngineConfig, gcfg, device: torch.device) -> int:
         budget = free * GPU_KV_FRACTION
     else:
         budget = CPU_KV_GIB * 2**30
-    blocks = int(budget // kv_block_bytes(config, gcfg))
+    blocks = int(budget // kv_block_bytes(config, gcfg, device))
     if config.kv_cache_gib is None:  # automatic size: no more than max_num_seqs full contexts
         per_seq = -(-gcfg.max_position_embeddings // config.block_size)
         blocks = min(blocks, config.max_num_seqs * per_seq)
@@ -234,9 +256,9 @@ def _allocate_kv(num_blocks: int, config: EngineConfig, gcfg, device: torch.devi
     """One (keys, values) pair of [blocks, block_size, kv_heads, head_dim] per layer."""
     head_dim = gcfg.hidden_size // gcfg.num_attention_heads
     shape = (num_blocks, config.block_size, gcfg.num_key_value_heads, head_dim)
-    caches = [(torch.zeros(shape, dtype=config.torch_dtype, device=device),
-               torch.zeros(shape, dtype=config.torch_dtype, device=device))
+    dtype, _ = config.core_format(device)
+    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
               for _ in range(gcfg.num_hidden_layers)]
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, config.block_size,
-                num_blocks * kv_block_bytes(config, gcfg) / 2**30, config.dtype)
+                num_blocks * kv_block_bytes(config, gcfg, device) / 2**30, str(dtype).removeprefix("torch."))
     return caches

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .activation import silu_and_mul_ref
 from .attention import repeat_heads
+from .linear import CpuWeight
 
 
 @dataclass
@@ -36,15 +37,19 @@ class DecodeContext:
     step: int  # which of the window's steps this is
 
 
-def linear_cpu(x: Tensor, weight: Tensor, *, norm_weight: Tensor | None = None, eps: Tensor | None = None,
-               residual: Tensor | None = None, gated: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """``fused_linear_ref``, unchecked; ``eps`` a [] float32 tensor."""
+def linear_cpu(x: Tensor, weight: Tensor | CpuWeight, *, norm_weight: Tensor | None = None,
+               eps: Tensor | None = None, residual: Tensor | None = None,
+               gated: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """``fused_linear_ref``, unchecked; ``eps`` a [] float32 tensor; a ``CpuWeight`` multiplies with its kernel."""
     h, r = x, None
     if norm_weight is not None:
         h = rms_norm_cpu(x, norm_weight, eps, residual)
         if residual is not None:
             h, r = h
-    y = F.linear(h, weight)  # [M, N]: matmul(h, weight.t()), as the reference's h @ weight.T
+    if isinstance(weight, CpuWeight):
+        y = weight(h)  # [M, N]
+    else:
+        y = F.linear(h, weight)  # [M, N]: matmul(h, weight.t()), as the reference's h @ weight.T
     if gated:
         y = silu_and_mul_ref(y)
     return y if r is None else (y, r)

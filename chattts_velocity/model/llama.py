@@ -2,8 +2,10 @@
 
 Weights are taken from the transformers ``LlamaModel`` (q/k/v and gate/up fused into one matrix each, so a layer
 is four GEMMs). Every op comes from ``chattts_velocity.kernels``: Triton on CUDA (a small decode batch's GEMMs
-too, fused with the norms and the SwiGLU gate; cuBLAS for larger batches), the torch reference on CPU. Inputs
-are embeddings (ChatTTS builds them from codes, text ids and the speaker vector).
+too, fused with the norms and the SwiGLU gate; cuBLAS for larger batches), the torch reference on CPU, where
+the four matrices may be ``CpuWeight``s (float16, bfloat16 or int8, prepacked for their CPU kernel) while the
+activations, norms and KV cache keep the core's dtype. Inputs are embeddings (ChatTTS builds them from codes,
+text ids and the speaker vector).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels import decode_cpu
+from ..kernels.linear import CpuWeight
 from .stacked import stacked_weights
 
 
@@ -39,15 +42,20 @@ class AttentionMetadata:
 @dataclass
 class _Layer:
     input_norm: Tensor
-    qkv: Tensor  # [(Hq + 2 Hk) * D, H]
-    o: Tensor  # [H, Hq * D]
+    qkv: Tensor | CpuWeight  # [(Hq + 2 Hk) * D, H]
+    o: Tensor | CpuWeight  # [H, Hq * D]
     post_norm: Tensor
-    gate_up: Tensor  # [2 I, H]
-    down: Tensor  # [H, I]
+    gate_up: Tensor | CpuWeight  # [2 I, H]
+    down: Tensor | CpuWeight  # [H, I]
 
 
 class LlamaCore:
-    def __init__(self, llama, dtype: torch.dtype, device: torch.device):
+    def __init__(self, llama, dtype: torch.dtype, device: torch.device, weights: str | None = None):
+        """The core in ``dtype`` on ``device``; ``weights``: a ``CpuWeight`` format for the four matrices of
+        every layer (CPU only), None: the matrices in ``dtype`` too."""
+        if weights is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"weights={weights!r} is a CPU weight format; on {device} the matrices take the "
+                             "core's dtype (weights=None)")
         cfg = llama.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -55,20 +63,26 @@ class LlamaCore:
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.dtype = dtype
+        self.weights = weights
 
         def w(t: Tensor) -> Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()
+
+        def matrix(modules: list) -> Tensor | CpuWeight:
+            if weights is None:
+                return stacked_weights(modules, dtype, device) if len(modules) > 1 else w(modules[0].weight)
+            return CpuWeight(torch.cat([m.weight.detach() for m in modules]), weights)
 
         self.layers = []
         for layer in llama.layers:
             att, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
                 input_norm=w(layer.input_layernorm.weight),
-                qkv=stacked_weights([att.q_proj, att.k_proj, att.v_proj], dtype, device),
-                o=w(att.o_proj.weight),
+                qkv=matrix([att.q_proj, att.k_proj, att.v_proj]),
+                o=matrix([att.o_proj]),
                 post_norm=w(layer.post_attention_layernorm.weight),
-                gate_up=stacked_weights([mlp.gate_proj, mlp.up_proj], dtype, device),
-                down=w(mlp.down_proj.weight),
+                gate_up=matrix([mlp.gate_proj, mlp.up_proj]),
+                down=matrix([mlp.down_proj]),
             ))
         self.norm = w(llama.norm.weight)
         theta = cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta
@@ -79,6 +93,8 @@ class LlamaCore:
     def shares_weights(self, llama) -> bool:
         """Whether the core's matrices are the transformers ``llama``'s own storage (same dtype and device),
         so that letting the Llama's weights go would free nothing."""
+        if self.weights is not None:
+            return False
         ours = self.layers[0].o.untyped_storage().data_ptr()
         return ours == llama.layers[0].self_attn.o_proj.weight.untyped_storage().data_ptr()
 

@@ -10,9 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.engine_config import ENGINE_DTYPES
+
 API_KEY_ENV = "CHATTTS_VELOCITY_API_KEY"
 SOURCES = ("huggingface", "local")
-ENGINE_DTYPES = ("float16", "bfloat16", "float32")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 SERVE_WINDOW_TOKENS = 2048
 """``serve``'s default ``EngineConfig.max_window_tokens``: a cap on a decode window's tokens, so arriving requests
