@@ -83,9 +83,9 @@ def both_paths(tmp_path_factory):
 def test_json_has_meta_a_row_per_path_and_batch_and_speedups(both_paths):
     report, _ = both_paths
     assert META_KEYS <= report["meta"].keys()
-    cpu_default = default_engine_dtype("cpu")
-    assert report["meta"]["dtype"] == cpu_default and report["meta"]["size"] == "tiny"
-    assert report["meta"]["dtypes"] == [cpu_default]
+    # the tiny model on the CPU: float32, not the CPU's default packed format (per-call cost on tiny matrices)
+    assert report["meta"]["dtype"] == "float32" and report["meta"]["size"] == "tiny"
+    assert report["meta"]["dtypes"] == ["float32"]
     assert report["meta"]["command"].startswith("chattts-velocity bench --size tiny --batch 1 2 --tokens 8")
     assert set(report["definitions"]) >= {"ttfa_s", "steps_per_s", "tokens_per_s", "e2e_audio_s_per_s"}
     assert sorted((r["path"], r["batch"]) for r in report["rows"]) == [
@@ -96,7 +96,7 @@ def test_json_has_meta_a_row_per_path_and_batch_and_speedups(both_paths):
     ]
     for row in report["rows"]:
         assert ROW_KEYS <= row.keys(), ROW_KEYS - row.keys()
-        assert row["dtype"] == ("float32" if row["path"] == "reference" else cpu_default)
+        assert row["dtype"] == "float32"  # the reference, and the tiny model's velocity engine on the CPU
     assert [s["batch"] for s in report["speedups"]] == [1, 2]
     for s in report["speedups"]:
         assert s.keys() == SPEEDUP_KEYS
@@ -292,7 +292,9 @@ def test_engine_config_fits_the_whole_batch_at_once():
     from chattts_velocity.engine import EngineConfig
 
     cfg = engine_config(BenchConfig(size="tiny", device="cpu", batches=(3,)), batch=3, seq_len=40)
-    assert cfg.max_num_seqs == 3 and not cfg.enable_prefix_caching and cfg.dtype == default_engine_dtype("cpu")
+    assert cfg.max_num_seqs == 3 and not cfg.enable_prefix_caching and cfg.dtype == "float32"
+    full = BenchConfig(size="full", device="cpu", batches=(3,))
+    assert full.resolved_dtypes == (default_engine_dtype("cpu"),)
     assert engine_config(BenchConfig(size="tiny", device="cpu", dtypes=("float32", "int8")), 3, 40).dtype == "float32"
     assert engine_config(BenchConfig(size="tiny", device="cpu"), 3, 40, dtype="int8").dtype == "int8"
     per_seq = -(-40 // cfg.block_size)

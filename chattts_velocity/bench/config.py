@@ -29,7 +29,8 @@ class BenchConfig:
     """Torch device; None: cuda if available, else cpu."""
     dtypes: tuple[str, ...] = ()
     """Velocity engine dtypes, one velocity variant each; empty: the device's default
-    (``device.default_engine_dtype``). The reference runs as loaded (float32, as upstream)."""
+    (``device.default_engine_dtype``; float32 for the tiny model on the CPU). The reference runs as loaded
+    (float32, as upstream)."""
     json_path: str = "bench.json"
     """Where the results go."""
     plot_path: str | None = None
@@ -104,7 +105,13 @@ class BenchConfig:
 
     @property
     def resolved_dtypes(self) -> tuple[str, ...]:
-        return self.dtypes or (default_engine_dtype(self.resolved_device),)
+        """``dtypes``, else the device's default, except the tiny model on the CPU: float32, since its matrices
+        are a few KiB and a packed CPU format only adds per-call cost to them (docs/perf/cpu.md)."""
+        if self.dtypes:
+            return self.dtypes
+        if self.size == "tiny" and resolve_device(self.resolved_device).type == "cpu":
+            return ("float32",)
+        return (default_engine_dtype(self.resolved_device),)
 
     def runs_reference(self, batch: int) -> bool:
         return not self.skip_reference and (
