@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -21,7 +20,7 @@ import numpy as np
 from ..constants import SAMPLE_RATE
 from .http_client import Connection
 from .report import prepare_output, write_json
-from .serve import CLIENT_BOUND, TEXT, gather_parts
+from .serve import CLIENT_BOUND, TEXT, run_client_processes
 from .stream import StreamRecord
 
 BYTES_PER_S = 2 * SAMPLE_RATE
@@ -176,25 +175,8 @@ def run_rate(cfg: OpenLoopConfig, rate: float, processes: int = 1) -> dict:
     """One rate's row, its arrivals in this process or split over ``processes`` started together."""
     if processes == 1:
         return summary(cfg, rate, [asyncio.run(_arrivals(cfg, rate, 0, 1))])
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (and torch)
-    barrier, out = ctx.Barrier(processes + 1), ctx.Queue()
-    workers = [ctx.Process(target=_client_process, args=(cfg, rate, i, processes, barrier, out), daemon=True)
-               for i in range(processes)]
-    for w in workers:
-        w.start()
-    try:
-        try:
-            barrier.wait(timeout=120)
-        except threading.BrokenBarrierError:
-            raise RuntimeError(f"the {processes} bench client processes did not all start within 120 s") from None
-        parts = gather_parts(out, workers, cfg.duration_s + cfg.drain_s + 60)
-    finally:
-        for w in workers:
-            w.join(10)
-            if w.is_alive():
-                w.kill()
+    parts, _ = run_client_processes(_client_process, [(cfg, rate, i, processes) for i in range(processes)],
+                                    cfg.duration_s + cfg.drain_s + 60)
     return summary(cfg, rate, parts)
 
 

@@ -9,7 +9,6 @@ markdown table; a large level is split over client processes as ``bench serve`` 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from dataclasses import asdict, replace
 
@@ -26,7 +25,7 @@ from .realtime_client import (
     ws_url,
 )
 from .report import prepare_output, write_json
-from .serve import CLIENT_BOUND, gather_parts
+from .serve import CLIENT_BOUND, run_client_processes
 
 DEFINITIONS = {
     "first_audio_*_ms": "per context: from the moment the append holding the first sentence's end was sent until "
@@ -78,28 +77,9 @@ def run_level(cfg: RealtimeBenchConfig, n: int) -> tuple[list[dict], float, list
     if procs == 1:
         results, start, cpu = asyncio.run(_sockets(cfg, range(n), n))
         return results, time.perf_counter() - start, [time.process_time() - cpu]
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (and torch)
-    barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
     bounds = [n * i // procs for i in range(procs + 1)]
-    workers = [ctx.Process(target=_client_process, args=(cfg, range(bounds[i], bounds[i + 1]), n, barrier, out),
-                           daemon=True) for i in range(procs)]
-    for w in workers:
-        w.start()
-    try:
-        try:
-            barrier.wait(timeout=120)
-        except threading.BrokenBarrierError:
-            raise RuntimeError(f"the {procs} bench client processes did not all start within 120 s") from None
-        start = time.perf_counter()
-        parts = gather_parts(out, workers, cfg.timeout_s + 60)
-        wall = time.perf_counter() - start
-    finally:
-        for w in workers:
-            w.join(10)
-            if w.is_alive():
-                w.kill()
+    parts, wall = run_client_processes(_client_process, [(cfg, range(bounds[i], bounds[i + 1]), n)
+                                                         for i in range(procs)], cfg.timeout_s + 60)
     return [r for results, _ in parts for r in results], wall, [cpu for _, cpu in parts]
 
 

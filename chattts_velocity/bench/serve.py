@@ -136,29 +136,36 @@ def _level(cfg: ServeBenchConfig, n: int) -> dict:
     if procs == 1:
         results, start, cpu = asyncio.run(_users(cfg, range(n)))
         return _summary(n, results, time.perf_counter() - start, [time.process_time() - cpu], cfg.trace)
+    bounds = [n * i // procs for i in range(procs + 1)]
+    parts, wall = run_client_processes(_client_process, [(cfg, range(bounds[i], bounds[i + 1])) for i in range(procs)],
+                                       cfg.timeout_s * cfg.requests_per_stream + 60)
+    return _summary(n, [r for results, _ in parts for r in results], wall, [cpu for _, cpu in parts], cfg.trace)
+
+
+def run_client_processes(target, args: list[tuple], timeout_s: float) -> tuple[list, float]:
+    """``target(*args[i], barrier, out)`` in one spawned process per ``args`` item, all released together once
+    every one is ready (imported, connected); each puts one result on ``out``. Returns the results and the wall
+    time from the release; a process that dies, or results later than ``timeout_s``, fail the run."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (and torch)
-    barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
-    bounds = [n * i // procs for i in range(procs + 1)]
-    workers = [ctx.Process(target=_client_process, args=(cfg, range(bounds[i], bounds[i + 1]), barrier, out),
-                           daemon=True) for i in range(procs)]
+    barrier, out = ctx.Barrier(len(args) + 1), ctx.Queue()
+    workers = [ctx.Process(target=target, args=(*a, barrier, out), daemon=True) for a in args]
     for w in workers:
         w.start()
     try:
         try:
-            barrier.wait(timeout=120)  # every process imported and ready: the level starts now
+            barrier.wait(timeout=120)  # every process imported and ready: the run starts now
         except threading.BrokenBarrierError:
-            raise RuntimeError(f"the {procs} bench client processes did not all start within 120 s") from None
+            raise RuntimeError(f"the {len(args)} bench client processes did not all start within 120 s") from None
         start = time.perf_counter()
-        parts = gather_parts(out, workers, cfg.timeout_s * cfg.requests_per_stream + 60)
-        wall = time.perf_counter() - start
+        parts = gather_parts(out, workers, timeout_s)
+        return parts, time.perf_counter() - start
     finally:
         for w in workers:
             w.join(10)
             if w.is_alive():
                 w.kill()
-    return _summary(n, [r for results, _ in parts for r in results], wall, [cpu for _, cpu in parts], cfg.trace)
 
 
 def gather_parts(out, workers, timeout_s: float) -> list:
