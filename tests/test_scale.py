@@ -9,6 +9,7 @@ view of them (as old as its last report) only once that view shows the event tha
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import io
@@ -31,6 +32,7 @@ import pytest  # noqa: E402
 import ray  # noqa: E402
 import soundfile as sf  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from realtime_helpers import Heard, assert_same_samples, hear, http_pcm, next_event, open_session, send, speak  # noqa: E402
 from server_helpers import API_KEY, ServerProcess  # noqa: E402
 
 from chattts_velocity.server.scale import APP_NAME, REPLICA_HEADER, application  # noqa: E402
@@ -278,6 +280,24 @@ def test_the_board_is_drained_once_every_replica_knows_and_has_no_request_left()
 # ------------------------------------------------------------------ through Serve's proxy
 
 
+def test_the_router_ranks_replicas_with_kv_room_first_then_by_requests_in_flight():
+    from chattts_velocity.engine import EngineStats
+    from chattts_velocity.server.routing import KV_FULL, rank_by_load, routing_stats
+
+    stats = EngineStats(num_waiting=1, num_running=3, kv_blocks_used=45, kv_blocks_total=50, num_preemptions=0,
+                        num_steps=0, num_prompt_tokens=0, num_generated_tokens=0, max_batch_size=0, num_failed=0)
+    assert routing_stats(stats, admitted=5) == {"sequences": 4, "kv_used": 0.9, "admitted": 5}
+    reports = {"full": {"kv_used": KV_FULL, "sequences": 0, "admitted": 0}, "busy": {"kv_used": 0.1, "sequences": 9},
+               "idle": {"kv_used": 0.0, "sequences": 0}, "fresh": {}, "unknown": {"admitted": 2, "sequences": 1}}
+    in_flight = {"full": 0, "busy": 3, "idle": 1, "fresh": 0, "unknown": None}
+    ranked = rank_by_load(list(reports), in_flight.get, reports.get, shuffle=lambda: 0.0)
+    # KV room first; then requests in flight (the reported admitted count where the router knows none); then the
+    # engine's sequences; a full KV cache last whatever its count
+    assert ranked == ["fresh", "idle", "unknown", "busy", "full"]
+    draws = iter([0.9, 0.1] * 50)
+    assert rank_by_load(["a", "b"], lambda _: 2, lambda _: {}, shuffle=lambda: next(draws)) == ["b", "a"]
+
+
 def test_openai_sdk_streams_the_single_process_servers_audio(client, chat):
     from fastapi.testclient import TestClient
 
@@ -307,6 +327,90 @@ def test_requests_spread_over_both_replicas_and_metrics_count_each(server):
     for replica in before:
         assert ok_count(after[replica]) - ok_count(before[replica]) == served.count(replica)
         assert after[replica]["chattts_kv_blocks_total"] > 0
+
+
+def test_a_burst_fills_both_replicas_evenly_before_either_refuses(server):
+    """Each replica admits MAX_CONCURRENT + MAX_QUEUE speech requests: a burst of twice that, all at once, is
+    admitted whole only if the router sends every replica its share (each its engine's load, not a random pair's
+    request count)."""
+    share = MAX_CONCURRENT + MAX_QUEUE
+    statuses: list[tuple[int, str]] = []
+    lock = threading.Lock()
+    opened = threading.Barrier(2 * share + 1, timeout=120)
+
+    def hold(seed: int, stack: contextlib.ExitStack) -> None:
+        try:
+            r = stack.enter_context(httpx.stream("POST", server.url + SPEECH, headers=AUTH, json=body(HELD, seed),
+                                                 timeout=60))
+            with lock:
+                statuses.append((r.status_code, r.headers.get(REPLICA_HEADER)))
+        finally:
+            opened.wait()
+
+    with contextlib.ExitStack() as stack:
+        threads = [threading.Thread(target=hold, args=(seed, stack)) for seed in range(2 * share)]
+        for t in threads:
+            t.start()
+        opened.wait()
+        counts = defaultdict(int)
+        for status, replica in statuses:
+            counts[(status, replica)] += 1
+        assert sorted(counts.values()) == [share, share] and all(s == 200 for s, _ in counts), dict(counts)
+    for t in threads:
+        t.join(30)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def replica_engines() -> dict[int, int]:
+    """{engine process pid: its Serve replica's pid} on this machine (Linux: read from /proc)."""
+    processes = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        processes[int(entry)] = parent, cmdline
+    replicas = {pid for pid, (_, cmd) in processes.items() if cmd.startswith("ray::ServeReplica") and "SpeechServer" in cmd}
+    return {pid: parent for pid, (parent, cmd) in processes.items() if parent in replicas and "spawn_main" in cmd}
+
+
+def test_the_realtime_socket_works_through_serves_proxy(server):
+    """``/v1/audio/speech/stream`` through Serve's proxy: text appended word by word speaks the HTTP route's
+    samples, and a context cancelled mid-sentence ends with ``context.cancelled`` while the socket goes on."""
+    text = "Hello there. This is a test of the speech server."
+    want = http_pcm(server, text, seed=7)
+
+    async def run() -> tuple[Heard, Heard, Heard]:
+        async with await open_session(server) as ws:
+            await send(ws, "session.update", session={"voice": "echo", "seed": 7})
+            assert (await next_event(ws))["type"] == "session.updated"
+            spoken = await speak(ws, "a", [w + " " for w in text.split()])
+            await send(ws, "input_text.append", context_id="b", text=HELD)
+            heard = {"b": Heard()}
+            await hear(ws, heard, until=lambda h: h["b"].chunks)
+            await send(ws, "context.cancel", context_id="b")
+            await hear(ws, heard)
+            again = await speak(ws, "c", [text])
+            return spoken, heard["b"], again
+
+    spoken, cancelled, again = asyncio.run(run())
+    assert not spoken.errors and not again.errors, (spoken.errors, again.errors)
+    assert_same_samples(spoken.pcm, want)
+    assert_same_samples(again.pcm, want)
+    assert cancelled.cancelled and cancelled.done is None and not cancelled.audio_after_end
 
 
 def test_a_voice_registered_through_one_replica_is_usable_through_all(server, client):
@@ -430,6 +534,9 @@ def test_a_killed_replica_fails_only_its_streams_and_serve_replaces_it(server):
         assert started.acquire(timeout=60)
     assert len(serving) == 4 and None not in serving, results
     victim = serving[0]
+    engines = replica_engines()
+    assert len(engines) == 2 and len(set(engines.values())) == 2, engines  # an engine process under each replica
+    alive_before = set(engines)
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#SpeechServer#{victim}", namespace="serve"), no_restart=True)
     survivor_answer = post(server.url, body(seed=11))  # the other replica keeps serving meanwhile
     for t in threads:
@@ -447,6 +554,12 @@ def test_a_killed_replica_fails_only_its_streams_and_serve_replaces_it(server):
         return len(replicas) == 2 and victim not in replicas and replicas
 
     replicas = wait_for(replaced, 150, "Serve to replace the killed replica", period=1)
+    # the killed replica's engine process exits (its pipes closed), freeing its GPU; the new replica has its own
+    orphaned = [engine for engine, replica in engines.items() if not running(replica)]
+    assert len(orphaned) == 1, engines
+    wait_for(lambda: not running(orphaned[0]), 60, "the killed replica's engine process to exit")
+    now = wait_for(lambda: len(replica_engines()) == 2 and replica_engines(), 60, "an engine process per replica")
+    assert len(set(now) & alive_before) == 1, (now, engines)
     seen = set()
     for _ in range(5):
         with concurrent.futures.ThreadPoolExecutor(3) as pool:

@@ -1,22 +1,26 @@
 """What the Ray Serve replicas of one speech server share (``scale.py``): two small actors, registered voices
 (``VoiceStore``) and what every replica reports each period (``ReplicaBoard``: its metrics, its admitted requests,
 and whether the application drains); each replica's ``ReplicaLink`` to them; and ``ReplicaClient``, the replica's
-engine client with the two plugged in, so that the app over it is the one-process server's."""
+front to its own engine process with the two plugged in, so that the app over it is the server's."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import ray
 from prometheus_client import Metric
 from ray import serve
 
 from ..engine import EngineStats
-from ..serving.local import LocalClient
+from ..serving.engine_process.remote import RemoteClient
+from ..serving.voices import Voice
 from .metrics import labelled
 
 if TYPE_CHECKING:
@@ -139,21 +143,26 @@ class ReplicaLink:
         self.board = _Shared("board")
         self._stop = threading.Event()
 
-    def start_reporting(self, state: SpeechState, stats: Callable[[], EngineStats]) -> None:
-        """Report ``state``'s metrics (with the engine's ``stats()``) and admitted requests every period, from a
-        thread of its own; once the board says the application drains, ``state`` drains too."""
+    def start_reporting(self, state: SpeechState, stats: Callable[[], Awaitable[EngineStats]]) -> None:
+        """Report ``state``'s metrics (with the engine's ``stats()``, awaited) and admitted requests every
+        period, from a thread of its own; once the board says the application drains, ``state`` drains too."""
         threading.Thread(target=self._report, args=(state, stats), name="replica-report", daemon=True).start()
 
-    def _report(self, state: SpeechState, stats: Callable[[], EngineStats]) -> None:
-        while not self._stop.wait(self.period_s):
-            try:
-                draining = state.draining  # before counting: a request admitted after it is refused
-                admission = state.admission
-                admitted = admission.running + admission.waiting
-                if self.board.call("report", self.replica, state.metrics.collect(stats()), admitted, draining):
-                    state.draining = True
-            except Exception as e:  # noqa: BLE001 - the board is being recreated: report next period
-                logger.warning("replica report failed: %s", e)
+    def _report(self, state: SpeechState, stats: Callable[[], Awaitable[EngineStats]]) -> None:
+        loop = asyncio.new_event_loop()  # the engine process's answers are awaited here, not on the server's loop
+        try:
+            while not self._stop.wait(self.period_s):
+                try:
+                    draining = state.draining  # before counting: a request admitted after it is refused
+                    admission = state.admission
+                    admitted = admission.running + admission.waiting
+                    engine = loop.run_until_complete(asyncio.wait_for(stats(), 5 * self.period_s))
+                    if self.board.call("report", self.replica, state.metrics.collect(engine), admitted, draining):
+                        state.draining = True
+                except Exception as e:  # noqa: BLE001 - the board is being recreated, the engine busy: next period
+                    logger.warning("replica report failed: %r", e)
+        finally:
+            loop.close()
 
     def drain(self) -> None:
         """Tell every replica to drain (each learns it within a period)."""
@@ -178,18 +187,24 @@ class ReplicaLink:
             logger.warning("could not remove this replica's report: %s", e)
 
 
-class ReplicaClient(LocalClient):
-    """A replica's ``LocalClient`` over the ``Chat`` it owns, with the cluster plugged in: the voices it
-    registers go to the shared store too (and other replicas' are found there), and ``peer_metrics`` are the
-    other replicas' series. ``close`` stops the link and unloads the model."""
+class ReplicaClient(RemoteClient):
+    """A replica's front to the engine process it started (``ReplicaClient.start_engine(load, settings,
+    link=...)``), with the cluster plugged in: the voices it registers go to the shared store too (and other
+    replicas' are found there), and ``peer_metrics`` are the other replicas' series. ``close`` stops the link and
+    the engine process."""
 
-    def __init__(self, chat, link: ReplicaLink, voices_dir: str | None = None):
-        super().__init__(chat, voices_dir, shared_voices=link.voices, owns_chat=True)
+    def __init__(self, ends, *, link: ReplicaLink, **kw):
+        super().__init__(ends, shared_voices=link.voices, **kw)
         self.link = link
+
+    async def register_voice(self, name: str, wav: np.ndarray, transcript: str) -> Voice:
+        voice = await super().register_voice(name, wav, transcript)
+        await asyncio.to_thread(self.link.voices.put, asdict(voice))  # a blocking call to the store's actor
+        return voice
 
     async def peer_metrics(self) -> list[list[Metric]]:
         return await self.link.peers()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
         self.link.stop()
-        super().close()
+        super().close(timeout)

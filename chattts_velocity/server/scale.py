@@ -2,16 +2,19 @@
 (``chattts-velocity serve --replicas N``, or ``serve run chattts_velocity.server.scale:app_builder model=DIR
 replicas=2``; needs ``pip install -e ".[scale]"`` from a clone, or ``"chattts-velocity[scale]"``).
 
-Each replica is the whole one-process server, ``build_app`` over a ``ReplicaClient`` of its own ``Chat``, so the
-routes, schema, errors, streaming and SSE are the same, and so are the limits: each replica admits its own
-``max_concurrent`` running and ``max_queue`` waiting requests and answers 429 (OpenAI's error body, ``Retry-After``)
-beyond them. Serve's HTTP proxy (no GPU) sends each request to a replica with few ongoing requests, streams the
-body back as it is produced, and cancels the replica's request when the client goes away (the body's ``finally``
-aborts its engine requests, freeing their blocks). Two small actors shared by the replicas (``cluster.py``; Serve
-deployment actors, living as long as the deployment) hold what every replica must see: registered voices, and
-every replica's latest report (metrics, admitted requests) with whether the application drains.
+Each replica is the server's front, ``build_app`` over a ``ReplicaClient``, and its engine runs in a process of
+its own that the replica starts (the engine process of ``serve --fronts``, on the replica's GPU): the replica's
+process only prepares requests and moves bytes between Serve and the engine process, and neither waits on the
+other's GIL. The routes, schema, errors, streaming and SSE are the server's, and so are the limits: each replica
+admits its own ``max_concurrent`` running and ``max_queue`` waiting requests and answers 429 (OpenAI's error body,
+``Retry-After``) beyond them. Serve's HTTP proxy (no GPU) sends each request to the replica whose engine has the
+least work (``routing.EngineLoadRouter``), streams the body back as it is produced, and cancels the replica's
+request when the client goes away (the body's ``finally`` cancels it in the engine process, freeing its blocks).
+Two small actors shared by the replicas (``cluster.py``; Serve deployment actors, living as long as the
+deployment) hold what every replica must see: registered voices, and every replica's latest report (metrics,
+admitted requests) with whether the application drains.
 
-Ray is imported by this module and ``cluster.py`` only: the rest of the package works without it."""
+Ray is imported by this module, ``cluster.py`` and ``routing.py`` only: the rest of the package works without it."""
 
 from __future__ import annotations
 
@@ -21,12 +24,13 @@ import time
 
 import ray
 from ray import serve
-from ray.serve.config import BackpressureConfig, DeploymentActorConfig
+from ray.serve.config import BackpressureConfig, DeploymentActorConfig, RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 
-from ..serving.load import load_chat
+from ..serving.engine_process.host import EngineSettings
 from .app import build_app
 from .cluster import ReplicaBoard, ReplicaClient, ReplicaLink, VoiceStore
+from .routing import EngineLoadRouter, routing_stats
 from .settings import ScaleConfig, ServerConfig, ServeSettings, parse_options
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
@@ -64,23 +68,37 @@ class _ReplicaHeader:
 @serve.deployment(name="SpeechServer")
 @serve.ingress()
 class SpeechReplica:
-    """One engine and the whole speech server over it."""
+    """The server's front over an engine process of its own (see the module)."""
 
     def __init__(self, server: ServerConfig, load: dict, stall_s: float, metrics_period_s: float):
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.server, self.stall_s = server, stall_s
-        # Ray shows a replica only its own GPU, as ``cuda``: an unset device and dtype are chosen here
-        chat = load_chat(load, audio_round_ms=server.audio_round_ms)
-        self.client = ReplicaClient(chat, ReplicaLink(self.replica, metrics_period_s), server.voices_dir)
+        self.server = server
+        link = ReplicaLink(self.replica, metrics_period_s)
+        # Ray shows a replica only its own GPU, as ``cuda``, and the engine process inherits that view: an unset
+        # device and dtype are chosen there
+        engine = EngineSettings(voices_dir=server.voices_dir, audio_round_ms=server.audio_round_ms, stall_s=stall_s)
+        self.client = ReplicaClient.start_engine(load, engine, link=link, beat_timeout_s=server.engine_timeout_s)
+        try:
+            info = self.client.wait_ready()
+        except BaseException:
+            self.client.close(0)
+            raise
+        logger.info("replica %s: engine process %d on %s", self.replica, self.client.process.pid, info.device)
         self.state = None
 
     def __serve_build_asgi_app__(self):
         app = build_app(self.client, self.server, metric_labels={"replica": self.replica})
         self.state = app.state.speech
-        engine = self.client.chat.engine
-        self.client.link.start_reporting(self.state, lambda: engine.stats().engine)
+        self.client.link.start_reporting(self.state, self.client.stats)
         app.add_middleware(_ReplicaHeader, replica=self.replica)
         return app
+
+    async def record_routing_stats(self) -> dict:
+        """Serve asks every ``request_routing_stats_period_s``: this replica's engine load, for
+        ``EngineLoadRouter``."""
+        admission = self.state.admission if self.state is not None else None
+        admitted = admission.running + admission.waiting if admission is not None else 0
+        return routing_stats(await self.client.stats(), admitted)
 
     def drain(self) -> None:
         """Through a handle (``run``): this replica, and every other within a report period, answers new speech
@@ -94,15 +112,19 @@ class SpeechReplica:
         return self.client.link.drained()
 
     def check_health(self) -> None:
-        """Serve calls this every ``health_check_period_s``; raising marks the replica for replacement."""
-        self.client.chat.engine.check_health(self.stall_s)
+        """Serve calls this every ``health_check_period_s``; raising marks the replica for replacement: its
+        engine process exited, hangs (no beat for ``engine_timeout_s``) or has had work for ``stall_s`` without
+        finishing a step."""
+        why = self.client.health()
+        if why is not None:
+            raise RuntimeError(why)
 
     def __del__(self) -> None:
-        """After Serve drained the replica (``graceful_shutdown_timeout_s``): stop the engine."""
+        """After Serve drained the replica (``graceful_shutdown_timeout_s``): stop the engine process."""
         if getattr(self, "client", None) is not None:
             self.client.close()
             self.client = None
-            logger.info("replica %s stopped: its engine is shut down", self.replica)
+            logger.info("replica %s stopped: its engine process is shut down", self.replica)
 
 
 def application(scale: ScaleConfig, server: ServerConfig, load: dict):
@@ -118,6 +140,9 @@ def application(scale: ScaleConfig, server: ServerConfig, load: dict):
         health_check_period_s=scale.health_check_period_s,
         graceful_shutdown_timeout_s=server.shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,
+        request_router_config=RequestRouterConfig(request_router_class=EngineLoadRouter,
+                                                  request_routing_stats_period_s=scale.metrics_period_s,
+                                                  request_routing_stats_timeout_s=max(5.0, scale.metrics_period_s)),
         deployment_actors=[
             DeploymentActorConfig(name="voices", actor_class=ray.remote(VoiceStore), actor_options={"num_cpus": 0}),
             DeploymentActorConfig(name="board", actor_class=ray.remote(ReplicaBoard), actor_options={"num_cpus": 0}),

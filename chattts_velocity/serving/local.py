@@ -19,11 +19,12 @@ class LocalClient(EngineClient):
     """Requests run in ``chat``'s engine, their audio read straight from its pipeline (``JoinedAudio``)."""
 
     def __init__(self, chat, voices_dir: str | None = None, shared_voices: SharedVoices | None = None,
-                 owns_chat: bool = False):
+                 owns_chat: bool = False, stall_s: float = 60.0):
         """``voices_dir``: where registered voices are kept (``VoiceRegistry``'s folder); ``shared_voices``: a
-        store other replicas read; ``owns_chat``: ``close`` unloads ``chat``."""
+        store other replicas read; ``owns_chat``: ``close`` unloads ``chat``; ``stall_s``: ``health`` fails once
+        the engine has had work this long without finishing a step."""
         self.chat = chat
-        self.owns_chat = owns_chat
+        self.owns_chat, self.stall_s = owns_chat, stall_s
         self.kit = SpeechKit.of(chat)
         self.info = EngineInfo(str(chat.device), chat.engine.config.max_num_seqs)
         self.voices = VoiceRegistry(self.kit.speaker_stats, self.kit.config.hidden_size, voices_dir, shared_voices,
@@ -55,7 +56,7 @@ class LocalClient(EngineClient):
 
     def health(self) -> str | None:
         try:
-            self.chat.engine.check_health()
+            self.chat.engine.check_health(self.stall_s)
         except RuntimeError as e:
             return str(e)
         return None

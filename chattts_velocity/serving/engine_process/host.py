@@ -60,6 +60,8 @@ class EngineSettings:
     threads: int | None = None
     """torch's intra-op threads; None: torch's default."""
     log_level: str = "info"
+    stall_s: float = 60.0
+    """The engine is unhealthy (its beats say so) once it has had work this long without finishing a step."""
 
 
 def engine_main(load: dict, settings: EngineSettings, ends: list[EngineEnds]) -> None:
@@ -69,7 +71,7 @@ def engine_main(load: dict, settings: EngineSettings, ends: list[EngineEnds]) ->
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(levelname)s [engine process] %(name)s: %(message)s")
     chat = load_chat(load, settings.warmup, settings.audio_round_ms, settings.threads)
-    host = EngineHost(LocalClient(chat, settings.voices_dir, owns_chat=True), ends)
+    host = EngineHost(LocalClient(chat, settings.voices_dir, owns_chat=True, stall_s=settings.stall_s), ends)
     host.announce()
     host.start_beating()
     try:

@@ -92,9 +92,10 @@ class RemoteClient(EngineClient):
 
     @classmethod
     def start_engine(cls, load: dict, settings: EngineSettings | None = None, fronts: int = 1,
-                     beat_timeout_s: float = 10.0) -> RemoteClient:
+                     **front) -> RemoteClient:
         """Spawn the engine process (``load_chat(load)``, served to ``fronts`` fronts); this handle is the
-        first front, ``peers`` the others' pipe ends."""
+        first front (``front``: the constructor's other keywords), ``peers`` the others' pipe ends. The process
+        inherits this one's environment (a Ray replica's ``CUDA_VISIBLE_DEVICES`` included)."""
         settings = settings or EngineSettings()
         ctx = mp.get_context("spawn")  # not a fork of a process with threads (and torch)
         engine_ends, front_ends = open_pipes(fronts, ctx)
@@ -103,7 +104,7 @@ class RemoteClient(EngineClient):
         process.start()
         for ends in engine_ends:
             ends.close()
-        client = cls(front_ends[0], process=process, voices_dir=settings.voices_dir, beat_timeout_s=beat_timeout_s)
+        client = cls(front_ends[0], process=process, voices_dir=settings.voices_dir, **front)
         client.peers = front_ends[1:]
         return client
 
