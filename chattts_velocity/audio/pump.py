@@ -11,7 +11,7 @@ Why on the engine's thread: a window decode launches a few hundred kernels from 
 on a decoder thread fed by the consumers, the two threads traded the GIL: the decode and the engine's steps both
 took several times longer, and the server topped out far below what the engine alone delivered
 (`chattts-velocity bench stream`; docs/perf/). Between the steps, each round costs its own time and nothing
-else."""
+else. What a round decodes, and when (first audio, deadlines, pacing): ``AudioPump``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .deadlines import PLAYBACK_GUARD_S, Pace, deadline, safe_to_start
 from .decode import AudioDecoder
 from .stream import AudioStream, StreamConfig, Window, decode_windows
 
@@ -86,6 +87,8 @@ class Feed:
         self.closed = False
         self._outputs: list = []  # taken from the stream, not yet delivered
         self._windows: list[Window] = []  # planned, not yet decoded (a round put them off)
+        self.started: dict[str, float] = {}
+        """Request id -> when its first audio was sent (the pump's clock): its listener plays from then on."""
 
     def __iter__(self):
         while True:
@@ -124,9 +127,32 @@ class Feed:
         self._outputs += outputs
         self._windows += [w for a in self.audio.values() for w in a.ready()]
 
-    def _urgent(self) -> bool:
-        """A window that cannot wait for the next paced round: a request's first audio, or its last."""
-        return any(w.start == 0 or w.final for w in self._windows) or self.stream.exhausted()
+    def deadline(self, rid: str) -> float | None:
+        """When request ``rid``'s listener, playing since its first audio, runs out of the audio sent so far
+        (None before its first audio)."""
+        return deadline(self.started.get(rid), self.audio[rid].emitted)
+
+    def _unstarted(self) -> dict[str, list[Window]]:
+        """The waiting windows of each request whose first audio is not sent yet (those with any)."""
+        out: dict[str, list[Window]] = {}
+        if len(self.started) < len(self.audio):
+            for w in self._windows:
+                if (rid := self.owner[id(w.stream)]) not in self.started:
+                    out.setdefault(rid, []).append(w)
+        return out
+
+    def _ready(self, gap_s: float, starting: int, safe_start: bool) -> list[Window]:
+        """The windows a round may decode now, taken out of those waiting: all but those of a request whose first
+        audio is not yet safe to start on (``deadlines.safe_to_start``; its last window always is)."""
+        held = {id(ws[0].stream) for ws in self._unstarted().values() if safe_start and not ws[-1].final
+                and not safe_to_start(sum(w.end - w.start for w in ws), gap_s, starting)}
+        ready = [w for w in self._windows if id(w.stream) not in held]
+        self._windows = [w for w in self._windows if id(w.stream) in held]
+        return ready
+
+    def _due(self, windows: list[Window], horizon: float) -> bool:
+        """A window of a request whose listener runs dry before ``horizon``."""
+        return any((d := self.deadline(self.owner[id(w.stream)])) is not None and d < horizon for w in windows)
 
     def _send(self, item) -> None:
         if not self.closed:
@@ -137,11 +163,23 @@ class Feed:
 
 class AudioPump:
     """Decodes the stream windows of all open feeds in batched rounds between the engine's steps (see the
-    module). A round that decodes every feed's windows comes at most every ``round_interval_s``; in between, a
-    round decodes only the feeds that have a request's first or last window (first audio is never held back,
-    and it does not wait for everybody else's windows), and the others' windows wait for the next full round."""
+    module). In each round, on the pump's ``clock``:
 
-    def __init__(self, audio: AudioDecoder, round_interval_s: float = 0.0):
+    - a request's first audio and its last are decoded at once, the first audio in a call of its own ahead of
+      the round's other windows (a first window's length is no later window's), so it never waits for theirs;
+    - with ``safe_start``, a request's first audio waits until it outlasts the gap before the next round can
+      bring more (``deadlines.safe_to_start``): at once on an engine far faster than real time;
+    - a full round (every feed's windows) comes at most every ``round_interval_s``, and not while a request
+      waits for the engine's next step on its way to first audio (``wake(hurry=True)``), unless
+    - with ``deadlines``, a window's listener would run dry before a later round could bring it (its
+      ``Feed.deadline`` within this round, a step and a full round: ``deadlines.Pace``). That round is a full
+      one: deadlines come in clumps (streams admitted together), a call costs about the same for one window
+      as for many of its length, and each window decoded now is one the next rounds need not wait for.
+
+    With neither option a round is as before both: paced, first and last windows in between, one call."""
+
+    def __init__(self, audio: AudioDecoder, round_interval_s: float = 0.0, *, deadlines: bool = True,
+                 safe_start: bool = True, clock=time.monotonic):
         if not round_interval_s >= 0:
             raise ValueError(f"round_interval_s must be >= 0, got {round_interval_s!r}")
         self.audio = audio
@@ -149,14 +187,21 @@ class AudioPump:
         """Least time between two decoding rounds for windows that can wait (0: every engine step). Most of a
         decode call's cost is per call, whatever its number of windows (`chattts-velocity bench serve`;
         docs/perf/), so under load fewer, larger rounds leave the engine more of its time; a later chunk arrives
-        up to this much later."""
-        self._lock = threading.Lock()  # guards the two dicts below
+        up to this much later (never past its listener's deadline with ``deadlines``)."""
+        self.deadlines, self.safe_start = deadlines, safe_start
+        """The two rules of the class docstring (both off: the rounds as they were before them)."""
+        self.clock = clock
+        """Seconds, monotonic (``time.monotonic``; tests give a fake one)."""
+        self.pace = Pace()
+        """The recent steps and full rounds: how long until the next round may bring more audio."""
+        self._lock = threading.Lock()  # guards the three dicts below
         self._rounds = threading.Lock()  # one round at a time, on whichever thread runs it
         self._feeds: dict[int, Feed] = {}  # id(stream) -> its feed
-        self._marked: dict[int, None] = {}  # ids of streams with news (or windows put off), in order
+        self._marked: dict[int, None] = {}  # ids of streams with news, in order
+        self._deferred: dict[int, None] = {}  # ids of streams with windows put off: marked at the next wake
         self._last_decode = float("-inf")
         self.num_calls = 0
-        """Decode rounds run so far (a round is one ``decode`` call per decoder kind)."""
+        """Decode calls so far (one per decoder kind for each group of a round's windows)."""
 
     def open(self, stream, config: StreamConfig, use_decoder: bool, notify=None) -> Feed:
         """Start turning ``stream``'s outputs into audio (outputs that arrived before are taken at once: on this
@@ -176,7 +221,7 @@ class AudioPump:
         return feed
 
     def decode(self, windows: list[Window], use_decoder: bool) -> list[np.ndarray]:
-        """Each window's (2W - 1) * 256 samples, in order (``decode_windows``): one round."""
+        """Each window's (2W - 1) * 256 samples, in order (``decode_windows``): one call."""
         self.num_calls += 1
         return decode_windows(self.audio, windows, use_decoder)
 
@@ -192,27 +237,36 @@ class AudioPump:
         with self._lock:
             feed = self._feeds.pop(id(stream), None)
             self._marked.pop(id(stream), None)
+            self._deferred.pop(id(stream), None)
         if feed is not None:
             feed._send(_END)
 
-    def wake(self) -> None:
+    def wake(self, hurry: bool = False) -> None:
         """Run rounds on this thread until no marked stream is left: the engine calls it after each step, and
-        ``open`` for outputs that arrived before it."""
+        ``open`` for outputs that arrived before it. ``hurry``: a request waits for the engine's next step to
+        reach its first audio, so only what cannot wait is decoded (see the class)."""
         with self._rounds:
+            self.pace.woke(self.clock())
+            with self._lock:
+                self._marked.update(self._deferred)
+                self._deferred = {}
             while True:
                 with self._lock:
                     feeds = [self._feeds[key] for key in self._marked if key in self._feeds]
                     self._marked = {}
                 if not feeds:
-                    return
+                    break
                 try:
                     with self.audio.stream():
-                        if not self._round(feeds):
-                            return  # put off: the feeds stay marked for the wake after the next step
+                        if not self._round(feeds, hurry):
+                            break  # put off until the wake after the next step
                 except Exception as err:  # noqa: BLE001 - a bug here must reach the callers, not the engine
                     logger.exception("audio round failed")
                     for feed in feeds:
                         self._fail(feed, err)
+            with self._lock:
+                busy = bool(self._feeds)
+            self.pace.rested(self.clock() if busy else None)
 
     # ---------------------------------------------------------------- rounds
     def _forget(self, feed: Feed) -> None:
@@ -221,9 +275,10 @@ class AudioPump:
             if self._feeds.get(id(feed.stream)) is feed:
                 del self._feeds[id(feed.stream)]
 
-    def _round(self, feeds: list[Feed]) -> bool:
-        """Take the feeds' news; decode and deliver (paced: only the urgent feeds'), or (paced, nothing urgent) put
-        it all off: False."""
+    def _round(self, feeds: list[Feed], hurry: bool) -> bool:
+        """Take the feeds' news; decode and deliver what this round takes (see the class), the rest stays marked;
+        False when it takes nothing (put off)."""
+        now = self.clock()
         live: list[Feed] = []
         for feed in feeds:
             if feed.closed:
@@ -234,38 +289,63 @@ class AudioPump:
                 self._fail(feed, err)
                 continue
             live.append(feed)
-        now = time.monotonic()
-        if now - self._last_decode < self.round_interval_s:  # paced: only the feeds with a first or last window
-            urgent = {id(feed) for feed in live if feed._urgent()}
-            with self._lock:
-                for feed in live:
-                    if id(feed) not in urgent and id(feed.stream) in self._feeds:
-                        self._marked[id(feed.stream)] = None
-            if not urgent:
-                return False
-            live = [feed for feed in live if id(feed) in urgent]
-        elif any(feed._windows for feed in live):
+        with self._lock:
+            feeds_open = len(self._feeds)
+        gap = self.pace.gap_s(feeds_open)
+        starting = sum(len(feed._unstarted()) for feed in live) if self.safe_start else 0
+        ready = {id(feed): feed._ready(gap, starting, self.safe_start) for feed in live}
+        paced = now - self._last_decode < self.round_interval_s
+        full = not paced and not (hurry and self.deadlines)
+        if self.deadlines and not full:  # due: would run dry before this round, a step and a full round more
+            horizon = now + self.pace.round_s(feeds_open) + gap + PLAYBACK_GUARD_S
+            full = any(feed._due(ready[id(feed)], horizon) for feed in live)
+        taken = [feed for feed in live if full or _urgent(feed, ready[id(feed)])]
+        self._put_off([] if full else [feed for feed in live if not _urgent(feed, ready[id(feed)])], ready)
+        if not taken:
+            return False
+        decodes = any(ready[id(feed)] for feed in taken)
+        if full and decodes:
             self._last_decode = now
-        taken: list[tuple[Feed, list, list[Window]]] = []  # each feed's outputs and windows, handed out now
-        for feed in live:
-            taken.append((feed, feed._outputs, feed._windows))
-            feed._outputs, feed._windows = [], []
+        first = {id(f) for f in taken if self.deadlines and any(w.start == 0 for w in ready[id(f)])}
+        for group in ([f for f in taken if id(f) in first], [f for f in taken if id(f) not in first]):
+            if group:
+                self._deliver([(feed, ready[id(feed)]) for feed in group])
+        if full and decodes:
+            self.pace.round_took(self.clock() - now, sum(bool(ready[id(feed)]) for feed in taken))
+        return True
+
+    def _put_off(self, feeds: list[Feed], ready: dict[int, list[Window]]) -> None:
+        """The windows this round does not take wait (with any held ones): a feed with windows put off is looked
+        at again in the next wake, one without waits for its stream's next output (its outputs go out with its
+        next delivery). Neither is looked at again in this wake, which would find them as they are."""
+        for feed in feeds:
+            feed._windows = ready[id(feed)] + feed._windows
+        with self._lock:
+            for feed in feeds:
+                if ready[id(feed)] and id(feed.stream) in self._feeds:
+                    self._deferred[id(feed.stream)] = None
+
+    def _deliver(self, taken: list[tuple[Feed, list[Window]]]) -> None:
+        """Decode the feeds' windows (one call per decoder kind, ``decode_windows`` batching equal lengths) and
+        send each feed its outputs, samples and end."""
         wavs: dict[int, np.ndarray] = {}  # id(window) -> its samples
         failed: dict[int, BaseException] = {}  # id(feed) -> the decode error
         for use_decoder in (True, False):
-            group = [(feed, w) for feed, _, windows in taken if feed.use_decoder is use_decoder for w in windows]
+            group = [(feed, w) for feed, windows in taken if feed.use_decoder is use_decoder for w in windows]
             if not group:
                 continue
             try:
                 decoded = self.decode([w for _, w in group], use_decoder)
-            except Exception as err:  # noqa: BLE001 - every feed of the round sees the failure
+            except Exception as err:  # noqa: BLE001 - every feed of the call sees the failure
                 for feed, _ in group:
                     failed[id(feed)] = err
                 continue
             for (_, window), wav in zip(group, decoded, strict=True):
                 wavs[id(window)] = wav
-        sends: list[tuple[Feed, object]] = []  # sent once the round is over: a woken reader competes for the GIL
-        for feed, outputs, windows in taken:
+        sends: list[tuple[Feed, object]] = []  # sent once decoded: a woken reader competes for the GIL
+        now = self.clock()
+        for feed, windows in taken:
+            outputs, feed._outputs = feed._outputs, []
             if id(feed) in failed:
                 sends.append((feed, failed[id(feed)]))
                 continue
@@ -273,6 +353,7 @@ class AudioPump:
             for window in windows:
                 rid = feed.owner[id(window.stream)]
                 delivery.samples.setdefault(rid, []).append(window.stream.accept(window, wavs[id(window)]))
+                feed.started.setdefault(rid, now)
                 feed.stream.mark_first_audio(rid)
             delivery.done = frozenset(rid for rid, a in feed.audio.items() if a.done)
             if outputs or delivery.samples:
@@ -285,8 +366,12 @@ class AudioPump:
             if item is _END or isinstance(item, BaseException):
                 self._forget(feed)
             feed._send(item)
-        return True
 
     def _fail(self, feed: Feed, err: BaseException) -> None:
         feed._send(err)
         self._forget(feed)
+
+
+def _urgent(feed: Feed, ready: list[Window]) -> bool:
+    """A window that cannot wait for the next full round: a request's first audio, or its last."""
+    return any(w.start == 0 or w.final for w in ready) or feed.stream.exhausted()

@@ -111,6 +111,11 @@ class AudioStream:
         self._finished = False
 
     @property
+    def emitted(self) -> int:
+        """Tokens whose samples ``accept`` has returned: the audio handed out so far."""
+        return self._emitted
+
+    @property
     def done(self) -> bool:
         """The request finished and every token's samples were emitted."""
         return self._finished and self._emitted == self._total

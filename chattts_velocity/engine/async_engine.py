@@ -245,14 +245,18 @@ class AsyncLLMEngine:
             if stream is not None:
                 stream.deliver(out, now)
         listeners = {id(s.listener): s.listener for s in streams if s is not None and s.listener}
+        hurry = False
         if listeners:  # the next step, if it leads to first audio, computes on the device during the round
             self._take_pending()
+            hurry = self.engine.scheduler.before_first_audio()
             try:
                 self.engine.launch_ahead()
             except Exception:  # noqa: BLE001 - (it reports its own failures to the next step) the loop goes on
                 logger.exception("launching the next step ahead failed")
         for listener in listeners.values():
-            listener.wake()  # once per step: the audio of every stream of this step is decoded in one round
+            # once per step: the audio of every stream of this step is decoded in one round, a short one while a
+            # request waits for the next step on its way to first audio (its prefill or first window)
+            listener.wake(hurry=hurry)
 
     def _take_pending(self) -> None:
         """Hand the requests submitted and aborted since the last step to the engine."""

@@ -86,7 +86,8 @@ class RequestStream:
 
     def listen(self, listener) -> None:
         """Have ``listener.mark(stream)`` called after each output and ``listener.closed(stream)`` at ``close``;
-        the engine calls ``listener.wake()`` once after handing out a step's outputs. None stops it."""
+        the engine calls ``listener.wake(hurry=...)`` once after handing out a step's outputs (``hurry``: a
+        request waits for the engine's next step on its way to first audio). None stops it."""
         with self._cond:
             self._listener = listener
 

@@ -1,0 +1,55 @@
+"""``chattts-velocity bench stream``: underruns and the start delay as ``bench serve --rates`` defines them, the
+first-audio percentiles, and a run on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from chattts_velocity.bench.open_loop import playback, start_delay
+from chattts_velocity.bench.stream import (
+    StreamBenchConfig,
+    StreamRecord,
+    format_table,
+    run_stream_bench,
+    summarize,
+)
+
+RATE = 24000
+
+
+def test_start_delay_is_how_far_the_latest_chunk_is_behind_the_audio_before_it():
+    on_time = StreamRecord(arrivals=[0.1, 0.2, 0.3], samples=[RATE // 5, RATE // 5, RATE])
+    assert on_time.start_delay() == 0.0 and not on_time.underrun()
+    late = StreamRecord(arrivals=[0.1, 0.35, 0.4], samples=[RATE // 10, RATE, RATE])  # 0.1 s, then 0.25 s later
+    assert late.start_delay() == pytest.approx(0.15) and late.underrun()
+    jitter = StreamRecord(arrivals=[0.0, 0.1005], samples=[RATE // 10, RATE])  # within the 1 ms tolerance
+    assert jitter.underrun() is False and jitter.start_delay() == pytest.approx(0.0005)
+    assert StreamRecord().underrun() and StreamRecord().start_delay() == float("inf")
+
+
+def test_underrun_and_start_delay_agree_with_the_open_loop_bench():
+    """Both benches must count a stall alike: the open loop's pcm pieces (2 bytes a sample) against the same
+    chunks in hand."""
+    for arrivals, sizes in (([0.0, 0.2, 0.21], [4800, 48000, 100]), ([0.0, 0.05, 0.5], [9600, 9600, 9600])):
+        record = StreamRecord(arrivals, [s / 2 for s in sizes])
+        assert record.start_delay() == pytest.approx(start_delay(arrivals, sizes))
+        assert record.underrun() == playback(arrivals, sizes)["underrun"]
+
+
+def test_summary_has_first_audio_and_start_delay_percentiles():
+    records = [StreamRecord(arrivals=[0.01 * (i + 1), 0.5], samples=[RATE // 10, RATE], end=1.0) for i in range(20)]
+    row = summarize(records)
+    assert row["underruns"] == 20 and row["streams"] == 20
+    assert row["ttfa_p50_ms"] == pytest.approx(105.0) and row["ttfa_p95_ms"] == pytest.approx(190.5)
+    assert row["start_delay_p50_ms"] == pytest.approx(295.0) and row["start_delay_p95_ms"] > row["start_delay_p50_ms"]
+
+
+def test_a_run_on_the_tiny_checkpoint_reports_each_level(tmp_path):
+    cfg = StreamBenchConfig(streams=(1, 3), tokens=60, size="tiny", device="cpu", repeats=1,
+                            reference_max_streams=0, json_path=None)
+    report = run_stream_bench(cfg)
+    assert [row["streams"] for row in report["rows"]] == [1, 3]
+    for row in report["rows"]:
+        assert row["path"] == "velocity" and 0 <= row["start_delay_p50_ms"] <= row["start_delay_p95_ms"]
+        assert row["ttfa_p50_ms"] <= row["ttfa_p95_ms"] <= row["ttfa_p99_ms"] and row["audio_s_per_s"] > 0
+    assert "underruns" in report["definitions"] and "start delay p50 / p95 ms" in format_table(report)
