@@ -7,9 +7,11 @@ its own that the replica starts (the engine process of ``serve --fronts``, on th
 process only prepares requests and moves bytes between Serve and the engine process, and neither waits on the
 other's GIL. The routes, schema, errors, streaming and SSE are the server's, and so are the limits: each replica
 admits its own ``max_concurrent`` running and ``max_queue`` waiting requests and answers 429 (OpenAI's error body,
-``Retry-After``) beyond them. Serve's HTTP proxy (no GPU) sends each request to the replica whose engine has the
-least work (``routing.EngineLoadRouter``), streams the body back as it is produced, and cancels the replica's
-request when the client goes away (the body's ``finally`` cancels it in the engine process, freeing its blocks).
+``Retry-After``) beyond them. HTTP comes in through Serve's HAProxy, which hands each connection to the replica
+with the fewest (``ScaleConfig.ingress`` haproxy: the replica serves it with its own HTTP server), or through
+Serve's Python proxy, which sends each request to the replica whose engine has the least work
+(``routing.EngineLoadRouter``) and relays the body; either way a client that goes away has its request cancelled
+in the engine process (the body's ``finally``), freeing its blocks.
 Two small actors shared by the replicas (``cluster.py``; Serve deployment actors, living as long as the
 deployment) hold what every replica must see: registered voices, and every replica's latest report (metrics,
 admitted requests) with whether the application drains.
