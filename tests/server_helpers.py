@@ -82,23 +82,35 @@ def decode_audio(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
     return np.concatenate(parts).astype(np.float32), rate
 
 
-def engine_processes(pid: int) -> list[int]:
-    """The processes server process ``pid`` spawned: its engine process (``serve --engine-process``), and with
-    ``--fronts`` its other HTTP fronts (``listening_pids`` tells them apart)."""
-    found = []
+def processes() -> dict[int, tuple[int, str]]:
+    """{pid: (parent pid, command line)} of every process on this machine (Linux: read from /proc)."""
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:  # gone meanwhile
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):  # gone meanwhile
             continue
-        if ppid == pid and b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
-            found.append(int(entry))
+        found[int(entry)] = parent, cmdline
     return found
+
+
+def spawned(parents: set[int], everything: dict[int, tuple[int, str]] | None = None) -> dict[int, int]:
+    """{pid: parent} of the processes that ``multiprocessing`` spawned from ``parents`` (not its resource
+    tracker)."""
+    everything = processes() if everything is None else everything
+    return {pid: parent for pid, (parent, cmd) in everything.items()
+            if parent in parents and "spawn_main" in cmd and "resource_tracker" not in cmd}
+
+
+def engine_processes(pid: int) -> list[int]:
+    """The processes server process ``pid`` spawned: its engine process (``serve --engine-process``), and with
+    ``--fronts`` its other HTTP fronts (``listening_pids`` tells them apart)."""
+    return list(spawned({pid}))
 
 
 def metric(url: str, name: str, headers: dict | None = None, default: float | None = None) -> float:

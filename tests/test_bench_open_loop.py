@@ -23,7 +23,6 @@ from chattts_velocity.bench.open_loop import (
     playback,
     run_and_report,
     run_rate,
-    start_delay,
     sustained_rate,
 )
 
@@ -47,10 +46,10 @@ def test_start_delay_and_underrun_on_hand_made_timings():
     smooth = playback([0.05, 0.15, 0.35], [piece(0.2)] * 3)
     assert not smooth["underrun"] and smooth["start_delay_s"] == 0.0
     # a short first piece, then a long one on time, then a late one: the latest piece sets the delay
-    assert start_delay([0.0, 0.1, 0.9], [piece(0.1), piece(0.5), piece(0.1)]) == pytest.approx(0.3)
+    assert playback([0.0, 0.1, 0.9], [piece(0.1), piece(0.5), piece(0.1)])["start_delay_s"] == pytest.approx(0.3)
     # within a millisecond is on time; pieces need not hold whole samples
     assert not playback([0.0, 0.2005], [piece(0.2), 1])["underrun"]
-    assert start_delay([0.0, 0.1], [4801, 1]) == 0.0 < start_delay([0.0, 0.1], [4799, 1])
+    assert playback([0.0, 0.1], [4801, 1])["start_delay_s"] == 0.0 < playback([0.0, 0.1], [4799, 1])["start_delay_s"]
     assert playback([0.0, 0.203], [piece(0.2), 1])["underrun"]
 
 

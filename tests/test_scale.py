@@ -33,7 +33,7 @@ import ray  # noqa: E402
 import soundfile as sf  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from realtime_helpers import Heard, assert_same_samples, hear, http_pcm, next_event, open_session, send, speak  # noqa: E402
-from server_helpers import API_KEY, ServerProcess  # noqa: E402
+from server_helpers import API_KEY, ServerProcess, processes, spawned  # noqa: E402
 
 from chattts_velocity.server.scale import APP_NAME, REPLICA_HEADER, application  # noqa: E402
 from chattts_velocity.server.settings import DIRECT_INGRESS_ENV, HAPROXY_ENV, HAPROXY_RETRY_ENV, ScaleConfig  # noqa: E402
@@ -179,7 +179,7 @@ def test_scale_config_is_validated():
     assert ScaleConfig(min_replicas=1, max_replicas=4).autoscaling
 
 
-def test_serve_options_and_app_builder_arguments_build_one_application(upstream_ckpt):
+def test_serve_options_and_app_builder_arguments_build_one_application(upstream_ckpt, monkeypatch):
     from chattts_velocity.cli import build_parser, serve_settings
     from chattts_velocity.server import ServerConfig
     from chattts_velocity.server.scale import app_builder
@@ -204,6 +204,20 @@ def test_serve_options_and_app_builder_arguments_build_one_application(upstream_
         app_builder({"no_such_option": "1"})
     with pytest.raises(ValueError, match="dummy is a flag"):
         app_builder({"dummy": "yes"})
+    # the ingress is the cluster's (its environment): an argument that asks for the other one is refused, and
+    # the router is Serve's proxy's only
+    monkeypatch.delenv(HAPROXY_ENV, raising=False)
+    with pytest.raises(ValueError, match="ingress=haproxy, but this Ray cluster runs Serve's proxy"):
+        app_builder({"model": upstream_ckpt, "ingress": "haproxy"})
+    def router(app) -> str:
+        return app._bound_deployment._deployment_config.request_router_config.request_router_class
+
+    assert router(app_builder({"model": upstream_ckpt, "ingress": "proxy"})) == \
+        "chattts_velocity.server.routing.EngineLoadRouter"
+    monkeypatch.setenv(HAPROXY_ENV, "1")
+    with pytest.raises(ValueError, match="ingress=proxy, but this Ray cluster runs HAProxy"):
+        app_builder({"model": upstream_ckpt, "ingress": "proxy"})
+    assert "EngineLoadRouter" not in router(app_builder({"model": upstream_ckpt, "ingress": "haproxy"}))
 
 
 def test_the_kuberay_manifest_deploys_the_app_builder_with_the_settings_of_serve_replicas():
@@ -393,21 +407,10 @@ def running(pid: int) -> bool:
 
 
 def replica_engines() -> dict[int, int]:
-    """{engine process pid: its Serve replica's pid} on this machine (Linux: read from /proc)."""
-    processes = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-        processes[int(entry)] = parent, cmdline
-    replicas = {pid for pid, (_, cmd) in processes.items() if cmd.startswith("ray::ServeReplica") and "SpeechServer" in cmd}
-    return {pid: parent for pid, (parent, cmd) in processes.items() if parent in replicas and "spawn_main" in cmd}
+    """{engine process pid: its Serve replica's pid} on this machine."""
+    everything = processes()
+    replicas = {pid for pid, (_, cmd) in everything.items() if cmd.startswith("ray::ServeReplica") and "SpeechServer" in cmd}
+    return spawned(replicas, everything)
 
 
 def test_the_realtime_socket_works_through_serves_proxy(server):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from test_scale import (  # noqa: F401 - collected here again, over this module's server
+    client,
     scale_server,
     test_a_burst_fills_both_replicas_evenly_before_either_refuses,
     test_a_full_replica_answers_429_with_openais_error_body_and_retry_after,
@@ -21,10 +22,3 @@ def server(upstream_ckpt, tmp_path_factory):
     with scale_server("proxy", upstream_ckpt, tmp_path_factory.mktemp("scale_proxy") / "server.log") as srv:
         yield srv
 
-
-@pytest.fixture(scope="module")
-def client(server):
-    import openai
-    from server_helpers import API_KEY
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)

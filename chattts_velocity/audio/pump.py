@@ -141,10 +141,11 @@ class Feed:
                     out.setdefault(rid, []).append(w)
         return out
 
-    def _ready(self, gap_s: float, starting: int, safe_start: bool) -> list[Window]:
-        """The windows a round may decode now, taken out of those waiting: all but those of a request whose first
-        audio is not yet safe to start on (``deadlines.safe_to_start``; its last window always is)."""
-        held = {id(ws[0].stream) for ws in self._unstarted().values() if safe_start and not ws[-1].final
+    def _ready(self, unstarted: dict[str, list[Window]], gap_s: float, starting: int) -> list[Window]:
+        """The windows a round may decode now, taken out of those waiting: all but those of a request of
+        ``unstarted`` (``_unstarted()``, or none) whose first audio is not yet safe to start on
+        (``deadlines.safe_to_start``; its last window always is)."""
+        held = {id(ws[0].stream) for ws in unstarted.values() if not ws[-1].final
                 and not safe_to_start(sum(w.end - w.start for w in ws), gap_s, starting)}
         ready = [w for w in self._windows if id(w.stream) not in held]
         self._windows = [w for w in self._windows if id(w.stream) in held]
@@ -292,8 +293,9 @@ class AudioPump:
         with self._lock:
             feeds_open = len(self._feeds)
         gap = self.pace.gap_s(feeds_open)
-        starting = sum(len(feed._unstarted()) for feed in live) if self.safe_start else 0
-        ready = {id(feed): feed._ready(gap, starting, self.safe_start) for feed in live}
+        unstarted = {id(feed): feed._unstarted() if self.safe_start else {} for feed in live}
+        starting = sum(map(len, unstarted.values()))
+        ready = {id(feed): feed._ready(unstarted[id(feed)], gap, starting) for feed in live}
         paced = now - self._last_decode < self.round_interval_s
         full = not paced and not (hurry and self.deadlines)
         if self.deadlines and not full:  # due: would run dry before this round, a step and a full round more

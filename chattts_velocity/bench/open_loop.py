@@ -92,13 +92,6 @@ def arrival_times(rate: float, duration_s: float, seed) -> np.ndarray:
     return np.array(times)
 
 
-def start_delay(arrivals: list[float], sizes: list[int]) -> float:
-    """The smallest wait after the first piece (``arrivals`` in seconds, ``sizes`` in pcm bytes) before playback
-    that never stalls: how far the latest piece is behind the audio ahead of it."""
-    played = np.cumsum([0, *sizes[:-1]]) / BYTES_PER_S  # audio ahead of each piece
-    return max(0.0, float(np.max(np.array(arrivals) - arrivals[0] - played)))
-
-
 def client_processes(rate: float, request_s: float, streams_per_process: int) -> int:
     """Client processes for ``rate``: requests expected in flight (rate x request length) per
     ``streams_per_process``, at least one."""
@@ -109,7 +102,7 @@ def playback(arrivals: list[float], sizes: list[int]) -> dict:
     """A successful request's figures from its body's pieces (seconds from the request, pcm bytes)."""
     record = StreamRecord(arrivals, [s / 2 for s in sizes])
     return {"ok": True, "status": 200, "first_audio_s": arrivals[0], "underrun": record.underrun(),
-            "start_delay_s": start_delay(arrivals, sizes), "audio_s": sum(sizes) / BYTES_PER_S}
+            "start_delay_s": record.start_delay(), "audio_s": sum(sizes) / BYTES_PER_S}
 
 
 async def speech_request(cfg: OpenLoopConfig, seed: int, deadline: float) -> dict:

@@ -250,7 +250,7 @@ class AsyncLLMEngine:
             self._take_pending()
             hurry = self.engine.scheduler.before_first_audio()
             try:
-                self.engine.launch_ahead()
+                self.engine.launch_ahead(hurry)
             except Exception:  # noqa: BLE001 - (it reports its own failures to the next step) the loop goes on
                 logger.exception("launching the next step ahead failed")
         for listener in listeners.values():

@@ -189,13 +189,16 @@ class LLMEngine:
             yield
         stream.synchronize()
 
-    def launch_ahead(self) -> bool:
+    def launch_ahead(self, first_audio: bool | None = None) -> bool:
         """Launch the next step now, when nothing is queued and it brings sequences to their first audio
         (``Scheduler.before_first_audio``: prompts, a short first window): the device computes it while the
         caller does host work (the audio round of the step before, during which a step launched after it waited:
         `chattts-velocity bench stream`; docs/perf/), and the next ``step`` reads it. Only where windows are
-        pipelined (``EngineConfig.pipeline_decode``: CUDA). Whether it launched one."""
-        if not self._pipeline or self._window is not None or not self.scheduler.before_first_audio():
+        pipelined (``EngineConfig.pipeline_decode``: CUDA). ``first_audio``: ``before_first_audio()`` if the
+        caller has it already. Whether it launched one."""
+        if not self._pipeline or self._window is not None:
+            return False
+        if not (self.scheduler.before_first_audio() if first_audio is None else first_audio):
             return False
         try:
             self._window = self._launch()

@@ -34,7 +34,7 @@ from ..serving.engine_process.host import EngineSettings
 from .app import build_app
 from .cluster import ReplicaBoard, ReplicaClient, ReplicaLink, VoiceStore
 from .routing import EngineLoadRouter, routing_stats
-from .settings import HAPROXY_ENV, ScaleConfig, ServerConfig, ServeSettings, parse_options
+from .settings import DIRECT_INGRESS_ENV, HAPROXY_ENV, ScaleConfig, ServerConfig, ServeSettings, parse_options
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
 
@@ -166,6 +166,11 @@ def app_builder(args: dict[str, object]):
     options of ``chattts-velocity serve`` as key=value (a flag as ``dummy=true``), or as a Serve config's
     ``args`` (``examples/kuberay/rayservice.yaml``). ``serve run`` itself sets the cluster, host and port."""
     settings = ServeSettings.from_options(parse_options(args), replicas=True)
+    haproxy = os.environ.get(HAPROXY_ENV) == "1"  # the cluster's, not an argument's, choice
+    if "ingress" in args and (settings.scale.ingress == "haproxy") != haproxy:
+        runs = "HAProxy" if haproxy else "Serve's proxy"
+        raise ValueError(f"ingress={settings.scale.ingress}, but this Ray cluster runs {runs}: {HAPROXY_ENV} and "
+                         f"{DIRECT_INGRESS_ENV} in its nodes' environment choose it")
     return application(settings.scale, settings.server, settings.load)
 
 
