@@ -138,8 +138,8 @@ def _add_serve_parser(sub) -> None:
                         "own GIL): an engine process with one HTTP front (--fronts N for more)")
     s.add_argument("--fronts", type=_positive_int, default=ServeSettings.fronts, metavar="N",
                    help="N HTTP front processes over one engine process (N > 1 implies --engine-process), on the "
-                        "same port (Linux SO_REUSEPORT): a burst of requests is taken in N at a time "
-                        "(default: %(default)s)")
+                        "same port (Linux SO_REUSEPORT): a burst of requests is taken in N at a time; with "
+                        "--replicas, N per replica (--ingress haproxy) (default: %(default)s)")
     s.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                    help="seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)")
     s.add_argument("--keep-alive", type=int, default=d.keep_alive_s,

@@ -124,8 +124,9 @@ def metric(url: str, name: str, headers: dict | None = None, default: float | No
     return default
 
 
-def _tcp_sockets(port: int) -> dict[int, tuple[str, int]]:
-    """Socket inode -> (state, peer port) of every TCP socket whose local port is ``port`` (IPv4 and IPv6)."""
+def _tcp_sockets(port: int | None) -> dict[int, tuple[str, int]]:
+    """Socket inode -> (state, peer port) of every TCP socket whose local port is ``port`` (None: any; IPv4 and
+    IPv6)."""
     found = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -136,12 +137,13 @@ def _tcp_sockets(port: int) -> dict[int, tuple[str, int]]:
         for line in lines:
             fields = line.split()
             local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
-            if int(local.rsplit(":", 1)[1], 16) == port:
+            if port is None or int(local.rsplit(":", 1)[1], 16) == port:
                 found[inode] = ("listen" if state == "0A" else "open", int(remote.rsplit(":", 1)[1], 16))
     return found
 
 
-def _socket_inodes(pid: int) -> set[int]:
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process ``pid`` holds."""
     inodes = set()
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
@@ -157,16 +159,21 @@ def _socket_inodes(pid: int) -> set[int]:
     return inodes
 
 
-def listening_pids(pids: list[int], port: int) -> list[int]:
-    """Those of ``pids`` that listen on ``port`` (the fronts of ``serve --fronts``)."""
-    listening = {inode for inode, (state, _) in _tcp_sockets(port).items() if state == "listen"}
-    return [pid for pid in pids if _socket_inodes(pid) & listening]
+def listening_inodes(port: int | None = None) -> set[int]:
+    """The inodes of the TCP sockets listening on ``port`` (None: on any port)."""
+    return {inode for inode, (state, _) in _tcp_sockets(port).items() if state == "listen"}
+
+
+def listening_pids(pids: list[int], port: int | None) -> list[int]:
+    """Those of ``pids`` that listen on ``port`` (the fronts of ``serve --fronts``; None: on any port)."""
+    listening = listening_inodes(port)
+    return [pid for pid in pids if socket_inodes(pid) & listening]
 
 
 def connection_owner(pids: list[int], port: int, client_port: int) -> int | None:
     """Which of ``pids`` holds the server end of the connection from ``client_port`` to ``port``."""
     inodes = {inode for inode, (state, peer) in _tcp_sockets(port).items() if state == "open" and peer == client_port}
-    return next((pid for pid in pids if _socket_inodes(pid) & inodes), None)
+    return next((pid for pid in pids if socket_inodes(pid) & inodes), None)
 
 
 def stalled_reader(url: str, body: dict) -> socket.socket:

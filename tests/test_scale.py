@@ -33,9 +33,18 @@ import ray  # noqa: E402
 import soundfile as sf  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from realtime_helpers import Heard, assert_same_samples, hear, http_pcm, next_event, open_session, send, speak  # noqa: E402
-from server_helpers import API_KEY, ServerProcess, processes, spawned  # noqa: E402
+from server_helpers import (  # noqa: E402
+    API_KEY,
+    ServerProcess,
+    listening_inodes,
+    listening_pids,
+    processes,
+    socket_inodes,
+    spawned,
+)
 
-from chattts_velocity.server.scale import APP_NAME, REPLICA_HEADER, application  # noqa: E402
+from chattts_velocity.server.replica_fronts import FRONT_HEADER, REPLICA_HEADER  # noqa: E402
+from chattts_velocity.server.scale import APP_NAME, application  # noqa: E402
 from chattts_velocity.server.settings import DIRECT_INGRESS_ENV, HAPROXY_ENV, HAPROXY_RETRY_ENV, ScaleConfig  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -138,10 +147,12 @@ def ray_cluster(ingress: str):
 
 @contextlib.contextmanager
 def scale_server(ingress: str, ckpt: str, log: Path):
-    """``serve --replicas 2 --ingress INGRESS`` on its own cluster, both replicas reporting."""
+    """``serve --replicas 2 --ingress INGRESS`` on its own cluster, both replicas reporting; with HAProxy, two
+    HTTP fronts per replica."""
+    fronts = ("--fronts", "2") if ingress == "haproxy" else ()
     with ray_cluster(ingress) as address:
         srv = ServerProcess(ckpt, "--replicas", "2", "--ray-address", address, "--gpus-per-replica", "1",
-                            "--ingress", ingress, "--max-new-token", "48", "--max-concurrent", str(MAX_CONCURRENT),
+                            "--ingress", ingress, *fronts, "--max-new-token", "48", "--max-concurrent", str(MAX_CONCURRENT),
                             "--max-queue", str(MAX_QUEUE), "--max-input-chars", str(len(HELD)), log_path=str(log),
                             ready_timeout=300)
         try:
@@ -218,6 +229,10 @@ def test_serve_options_and_app_builder_arguments_build_one_application(upstream_
     with pytest.raises(ValueError, match="ingress=proxy, but this Ray cluster runs HAProxy"):
         app_builder({"model": upstream_ckpt, "ingress": "proxy"})
     assert "EngineLoadRouter" not in router(app_builder({"model": upstream_ckpt, "ingress": "haproxy"}))
+    assert app_builder({"model": upstream_ckpt, "replicas": "2", "fronts": "3"}) is not None  # 3 per replica
+    monkeypatch.delenv(HAPROXY_ENV)
+    with pytest.raises(ValueError, match="3 fronts per replica need Serve's HAProxy ingress"):
+        application(ScaleConfig(ingress="proxy"), ServerConfig(), load, fronts=3)
 
 
 def test_the_kuberay_manifest_deploys_the_app_builder_with_the_settings_of_serve_replicas():
@@ -406,11 +421,44 @@ def running(pid: int) -> bool:
         return False
 
 
-def replica_engines() -> dict[int, int]:
-    """{engine process pid: its Serve replica's pid} on this machine."""
+def replica_children() -> tuple[dict[int, int], dict[int, int]]:
+    """({engine process pid: its Serve replica's pid}, {other front's pid: its replica's pid}) on this machine:
+    a replica's other fronts listen (on Serve's socket), its engine process does not."""
     everything = processes()
     replicas = {pid for pid, (_, cmd) in everything.items() if cmd.startswith("ray::ServeReplica") and "SpeechServer" in cmd}
-    return spawned(replicas, everything)
+    children = spawned(replicas, everything)
+    fronts = set(listening_pids(list(children), None))
+    return ({pid: r for pid, r in children.items() if pid not in fronts},
+            {pid: r for pid, r in children.items() if pid in fronts})
+
+
+def replica_engines() -> dict[int, int]:
+    """{engine process pid: its Serve replica's pid} on this machine."""
+    return replica_children()[0]
+
+
+def test_each_replicas_other_front_accepts_on_serves_socket_within_the_replicas_limits(server):
+    """``--fronts 2``: under each replica an engine process and one more front, which holds the very listening
+    socket of the replica's own HTTP server (Serve binds it without ``SO_REUSEPORT``); both fronts answer
+    requests, and the replica's ``/metrics`` counts what each served."""
+    engines, fronts = replica_children()
+    assert sorted(engines.values()) == sorted(fronts.values()) and len(set(fronts.values())) == 2, (engines, fronts)
+    for front, replica in fronts.items():
+        shared = socket_inodes(front) & socket_inodes(replica) & listening_inodes()
+        assert len(shared) == 1, (front, replica)
+    before = own_metrics(server.url)
+    served: list[tuple[str, str]] = []
+    for _ in range(12):  # which process accepts a connection is the kernel's choice: rounds until both have
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            responses = list(pool.map(lambda seed: post(server.url, body(seed=seed)), range(6)))
+        assert [r.status_code for r in responses] == [200] * 6
+        served += [(r.headers[REPLICA_HEADER], r.headers[FRONT_HEADER]) for r in responses]
+        if len(set(served)) == 4:
+            break
+    assert set(served) == {(replica, front) for replica in before for front in "01"}, served
+    after = own_metrics(server.url, before)
+    for replica in before:
+        assert ok_count(after[replica]) - ok_count(before[replica]) == [r for r, _ in served].count(replica)
 
 
 def test_the_realtime_socket_works_through_serves_proxy(server):

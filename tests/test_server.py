@@ -384,8 +384,16 @@ def test_serve_options_map_onto_one_settings_object():
     assert cli("--max-window-tokens", "0").load["max_window_tokens"] is None  # 0: no cap
     assert cli("--dummy", "--max-concurrent", "2") == ServeSettings.from_options(
         parse_options({"dummy": "true", "max_concurrent": 2}))
-    with pytest.raises(ValueError, match="drop one of the two"):
+    with pytest.raises(ValueError, match="replica runs its engine in a process of its own already"):
         cli("--engine-process", "--replicas", "2")
+    # with replicas, --fronts is each replica's, which only Serve's HAProxy ingress reaches; autoscaling counts
+    # only a replica's own process's requests
+    assert cli("--replicas", "2", "--fronts", "3", "--ingress", "haproxy").fronts == 3
+    assert not cli("--replicas", "2", "--fronts", "3", "--ingress", "haproxy").engine_process
+    with pytest.raises(ValueError, match="needs --ingress haproxy"):
+        cli("--replicas", "2", "--fronts", "2", "--ingress", "proxy")
+    with pytest.raises(ValueError, match="Serve's autoscaling counts only"):
+        cli("--min-replicas", "1", "--max-replicas", "2", "--fronts", "2", "--ingress", "haproxy")
     with pytest.raises(ValueError, match="max_concurrent must be an int"):
         parse_options({"max_concurrent": "many"})
     with pytest.raises(ValueError, match="--model or --dummy"):

@@ -74,10 +74,11 @@ def test_engine_process_and_replicas_do_not_combine(tmp_path):
     import subprocess
     import sys
 
-    for flag in (["--engine-process"], ["--fronts", "2"]):
+    for flag, said in ((["--engine-process"], "--engine-process"), (["--fronts", "2", "--ingress", "proxy"],
+                                                                    "needs --ingress haproxy")):
         run = subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "serve", "--model", str(tmp_path),
                               *flag, "--replicas", "2"], capture_output=True, text=True, timeout=120)
-        assert run.returncode != 0 and "--engine-process" in run.stderr and "Traceback" not in run.stderr
+        assert run.returncode != 0 and said in run.stderr and "Traceback" not in run.stderr
 
 
 def test_fronts_refuse_a_port_another_server_shares_out(tmp_path):

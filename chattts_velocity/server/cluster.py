@@ -1,7 +1,7 @@
 """What the Ray Serve replicas of one speech server share (``scale.py``): two small actors, registered voices
 (``VoiceStore``) and what every replica reports each period (``ReplicaBoard``: its metrics, its admitted requests,
-and whether the application drains); each replica's ``ReplicaLink`` to them; and ``ReplicaClient``, the replica's
-front to its own engine process with the two plugged in, so that the app over it is the server's."""
+and whether the application drains); and each replica's ``ReplicaLink`` to them, which its fronts'
+``replica_fronts.ReplicaClient`` plugs in, so that the app over it is the server's."""
 
 from __future__ import annotations
 
@@ -10,17 +10,13 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
 import ray
 from prometheus_client import Metric
 from ray import serve
 
 from ..engine import EngineStats
-from ..serving.engine_process.remote import RemoteClient
-from ..serving.voices import Voice
 from .metrics import labelled
 
 if TYPE_CHECKING:
@@ -48,7 +44,7 @@ class Report(NamedTuple):
     at: float
     """When it arrived (the board's monotonic clock)."""
     families: list
-    """Its metric families (``Metrics.collect``)."""
+    """Its metric families: its own front's ``Metrics.collect``, then each other front's ``Metrics.own``."""
     admitted: int
     """Speech requests it has admitted and not finished (running or queued)."""
     draining: bool
@@ -56,7 +52,7 @@ class Report(NamedTuple):
 
 
 class ReplicaBoard:
-    """Every replica's latest report, and whether the application drains (each replica learns it from the
+    """Every replica's latest report (its fronts' metric families, a list of lists), and whether the application drains (each replica learns it from the
     answer to its next report). A replica that stopped reporting (killed) drops out after ``stale_s``; one that
     shuts down cleanly leaves at once."""
 
@@ -81,7 +77,7 @@ class ReplicaBoard:
         return self.draining and all(r.draining and not r.admitted for r in self._live().values())
 
     def snapshot(self) -> dict[str, list]:
-        """Every live replica's latest metric families."""
+        """Every live replica's latest metric families (a list per front)."""
         return {replica: report.families for replica, report in self._live().items()}
 
     def _live(self) -> dict[str, Report]:
@@ -112,13 +108,6 @@ class _Shared:
             self._handle = None
             return ray.get(self.send(method, *args), timeout=self.timeout_s)
 
-    async def acall(self, method: str, *args):
-        try:
-            return await self.send(method, *args)
-        except ray.exceptions.RayActorError:
-            self._handle = None
-            return await self.send(method, *args)
-
 
 class _StoreVoices:
     """``VoiceRegistry``'s ``SharedVoices`` over the ``VoiceStore`` actor."""
@@ -143,12 +132,16 @@ class ReplicaLink:
         self.board = _Shared("board")
         self._stop = threading.Event()
 
-    def start_reporting(self, state: SpeechState, stats: Callable[[], Awaitable[EngineStats]]) -> None:
-        """Report ``state``'s metrics (with the engine's ``stats()``, awaited) and admitted requests every
-        period, from a thread of its own; once the board says the application drains, ``state`` drains too."""
-        threading.Thread(target=self._report, args=(state, stats), name="replica-report", daemon=True).start()
+    def start_reporting(self, state: SpeechState, stats: Callable[[], Awaitable[EngineStats]],
+                        siblings: Callable[[], Awaitable[list]], on_drain: Callable[[], None]) -> None:
+        """Report ``state``'s metrics (with the engine's ``stats()``, awaited), the replica's other fronts'
+        (``siblings()``, awaited) and the requests its fronts admitted, every period, from a thread of its own;
+        once the board says the application drains, ``state`` drains, and ``on_drain()`` drains the others."""
+        threading.Thread(target=self._report, args=(state, stats, siblings, on_drain), name="replica-report",
+                         daemon=True).start()
 
-    def _report(self, state: SpeechState, stats: Callable[[], Awaitable[EngineStats]]) -> None:
+    def _report(self, state: SpeechState, stats: Callable[[], Awaitable[EngineStats]],
+                siblings: Callable[[], Awaitable[list]], on_drain: Callable[[], None]) -> None:
         loop = asyncio.new_event_loop()  # the engine process's answers are awaited here, not on the server's loop
         try:
             while not self._stop.wait(self.period_s):
@@ -157,8 +150,11 @@ class ReplicaLink:
                     admission = state.admission
                     admitted = admission.running + admission.waiting
                     engine = loop.run_until_complete(asyncio.wait_for(stats(), 5 * self.period_s))
-                    if self.board.call("report", self.replica, state.metrics.collect(engine), admitted, draining):
+                    others = loop.run_until_complete(siblings())
+                    families = [state.metrics.collect(engine), *others]
+                    if self.board.call("report", self.replica, families, admitted, draining):
                         state.draining = True
+                        on_drain()
                 except Exception as e:  # noqa: BLE001 - the board is being recreated, the engine busy: next period
                     logger.warning("replica report failed: %r", e)
         finally:
@@ -172,10 +168,10 @@ class ReplicaLink:
         """Whether every replica drains and has no request left (``ReplicaBoard.drained``)."""
         return self.board.call("drained")
 
-    async def peers(self) -> list[list[Metric]]:
-        """Every other replica's latest families, each series labelled with its replica."""
-        families = await self.board.acall("snapshot")
-        return [labelled(f, {"replica": r}) for r, f in sorted(families.items()) if r != self.replica]
+    def peers(self) -> list[list[Metric]]:
+        """Every other replica's latest families, each series labelled with its replica (blocking)."""
+        fronts = self.board.call("snapshot")
+        return [labelled(f, {"replica": r}) for r, lists in sorted(fronts.items()) if r != self.replica for f in lists]
 
     def stop(self) -> None:
         """Stop reporting and take this replica off the board (not waited for: the replica is shutting down,
@@ -185,26 +181,3 @@ class ReplicaLink:
             self.board.send("forget", self.replica)
         except Exception as e:  # noqa: BLE001
             logger.warning("could not remove this replica's report: %s", e)
-
-
-class ReplicaClient(RemoteClient):
-    """A replica's front to the engine process it started (``ReplicaClient.start_engine(load, settings,
-    link=...)``), with the cluster plugged in: the voices it registers go to the shared store too (and other
-    replicas' are found there), and ``peer_metrics`` are the other replicas' series. ``close`` stops the link and
-    the engine process."""
-
-    def __init__(self, ends, *, link: ReplicaLink, **kw):
-        super().__init__(ends, shared_voices=link.voices, **kw)
-        self.link = link
-
-    async def register_voice(self, name: str, wav: np.ndarray, transcript: str) -> Voice:
-        voice = await super().register_voice(name, wav, transcript)
-        await asyncio.to_thread(self.link.voices.put, asdict(voice))  # a blocking call to the store's actor
-        return voice
-
-    async def peer_metrics(self) -> list[list[Metric]]:
-        return await self.link.peers()
-
-    def close(self, timeout: float = 30.0) -> None:
-        self.link.stop()
-        super().close(timeout)

@@ -311,12 +311,12 @@ def _front_main(ends: FrontEnds, index: int, counts, config: ServerConfig, host:
     sys.exit(server.exit_code)
 
 
-def _die_with_parent() -> None:
-    """Have the kernel send this process SIGTERM (a drain) if the process that started it dies (Linux); exit
-    at once if it died already, before this took effect."""
+def _die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send this process ``sig`` (SIGTERM: a drain) if the process that started it dies (Linux);
+    exit at once if it died already, before this took effect."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, sig)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: nothing watches the parent
         return
     parent = mp.parent_process()

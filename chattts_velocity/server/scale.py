@@ -23,49 +23,38 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 
 import ray
 from ray import serve
+from ray.serve._private.constants import (
+    RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT,
+    RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT,
+)
 from ray.serve.config import BackpressureConfig, DeploymentActorConfig, RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 
 from ..serving.engine_process.host import EngineSettings
+from .admission import shared_counts
 from .app import build_app
-from .cluster import ReplicaBoard, ReplicaClient, ReplicaLink, VoiceStore
+from .cluster import ReplicaBoard, ReplicaLink, VoiceStore
+from .replica_fronts import ReplicaClient, ReplicaFronts, ReplicaHeader, find_listener
 from .routing import EngineLoadRouter, routing_stats
+from .run import _admission
 from .settings import DIRECT_INGRESS_ENV, HAPROXY_ENV, ScaleConfig, ServerConfig, ServeSettings, parse_options
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log
 
 APP_NAME = "chattts-velocity"
-REPLICA_HEADER = "x-chattts-replica"
-"""Response header naming the replica that answered (its Serve replica id)."""
 HEADROOM = 4
 """Requests a replica takes beyond its speech requests' ``max_concurrent + max_queue``: Serve counts every request
 as ongoing, so without them ``/metrics``, ``/health``, voice requests and the speech requests that the replica
 refuses (429) would wait at Serve's proxy behind a full replica's streams."""
+DIRECT_INGRESS_PORTS = range(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT + 1)
+"""Where Serve's HAProxy ingress binds a replica's own HTTP server: the socket its other fronts share."""
 DRAIN_POLL_S = 0.25
 """How often ``run`` asks whether the draining replicas are done."""
-
-
-class _ReplicaHeader:
-    """Adds ``x-chattts-replica: <replica id>`` to every response (which engine served a request)."""
-
-    def __init__(self, app, replica: str):
-        self.app, self.header = app, (REPLICA_HEADER.encode(), replica.encode())
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def named(message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
-            await send(message)
-
-        await self.app(scope, receive, named)
 
 
 @serve.deployment(name="SpeechServer")
@@ -73,28 +62,46 @@ class _ReplicaHeader:
 class SpeechReplica:
     """The server's front over an engine process of its own (see the module)."""
 
-    def __init__(self, server: ServerConfig, load: dict, stall_s: float, metrics_period_s: float):
-        self.replica = serve.get_replica_context().replica_id.unique_id
+    def __init__(self, server: ServerConfig, load: dict, stall_s: float, metrics_period_s: float, fronts: int = 1,
+                 log_level: str = "info"):
+        context = serve.get_replica_context()
+        self.replica = context.replica_id.unique_id
         self.server = server
         link = ReplicaLink(self.replica, metrics_period_s)
         # Ray shows a replica only its own GPU, as ``cuda``, and the engine process inherits that view: an unset
         # device and dtype are chosen there
         engine = EngineSettings(voices_dir=server.voices_dir, audio_round_ms=server.audio_round_ms, stall_s=stall_s)
-        self.client = ReplicaClient.start_engine(load, engine, link=link, beat_timeout_s=server.engine_timeout_s)
+        self.client = ReplicaClient.start_engine(load, engine, fronts=fronts, link=link, replica=self.replica,
+                                                 front_count=fronts, beat_timeout_s=server.engine_timeout_s)
+        self.counts = shared_counts(fronts) if fronts > 1 else None
+        self.fronts = None
         try:
             info = self.client.wait_ready()
+            if fronts > 1:
+                self.fronts = ReplicaFronts(self.client, server, self.counts, self.replica, context.app_name,
+                                            desk={"put": link.voices.put, "all": link.voices.all, "peers": link.peers},
+                                            log_level=log_level, log=logger)
         except BaseException:
             self.client.close(0)
             raise
-        logger.info("replica %s: engine process %d on %s", self.replica, self.client.process.pid, info.device)
+        logger.info("replica %s: engine process %d on %s, %d HTTP fronts", self.replica, self.client.process.pid,
+                    info.device, fronts)
         self.state = None
 
     def __serve_build_asgi_app__(self):
-        app = build_app(self.client, self.server, metric_labels={"replica": self.replica})
+        app = build_app(self.client, self.server, _admission(self.server, self.counts, 0),
+                        metric_labels={"replica": self.replica})
         self.state = app.state.speech
-        self.client.link.start_reporting(self.state, self.client.stats)
-        app.add_middleware(_ReplicaHeader, replica=self.replica)
+        self.client.link.start_reporting(self.state, self.client.stats, self.client.sibling_metrics, self._drain_fronts)
+        app.add_middleware(ReplicaHeader, replica=self.replica)
+        if self.fronts is not None:  # Serve's server listens once the app is built: hand its socket to the fronts
+            threading.Thread(target=self.fronts.hand_over, args=(lambda: find_listener(DIRECT_INGRESS_PORTS),),
+                             name="replica-hand-over", daemon=True).start()
         return app
+
+    def _drain_fronts(self) -> None:
+        if self.fronts is not None:
+            self.fronts.drain()
 
     async def record_routing_stats(self) -> dict:
         """Serve asks every ``request_routing_stats_period_s``: this replica's engine load, for
@@ -108,6 +115,7 @@ class SpeechReplica:
         requests 503 and ``/health`` 503, as a lone server does on SIGTERM; the route stays, and with it the
         streams in flight."""
         self.state.draining = True
+        self._drain_fronts()
         self.client.link.drain()
 
     def drained(self) -> bool:
@@ -118,20 +126,28 @@ class SpeechReplica:
         """Serve calls this every ``health_check_period_s``; raising marks the replica for replacement: its
         engine process exited, hangs (no beat for ``engine_timeout_s``) or has had work for ``stall_s`` without
         finishing a step."""
-        why = self.client.health()
+        why = self.client.health() or (self.fronts.health() if self.fronts is not None else None)
         if why is not None:
             raise RuntimeError(why)
 
     def __del__(self) -> None:
         """After Serve drained the replica (``graceful_shutdown_timeout_s``): stop the engine process."""
+        if getattr(self, "fronts", None) is not None:  # their streams finish first (they drain)
+            self.fronts.close(self.server.shutdown_timeout_s)
+            self.fronts = None
         if getattr(self, "client", None) is not None:
             self.client.close()
             self.client = None
             logger.info("replica %s stopped: its engine process is shut down", self.replica)
 
 
-def application(scale: ScaleConfig, server: ServerConfig, load: dict):
-    """The Serve application: ``SpeechReplica`` with its options, bound to its arguments."""
+def application(scale: ScaleConfig, server: ServerConfig, load: dict, fronts: int = 1, log_level: str = "info"):
+    """The Serve application: ``SpeechReplica`` with its options, bound to its arguments (``fronts``: HTTP front
+    processes per replica, which only Serve's HAProxy ingress reaches)."""
+    if fronts > 1 and os.environ.get(HAPROXY_ENV) != "1":
+        raise ValueError(f"{fronts} fronts per replica need Serve's HAProxy ingress ({HAPROXY_ENV}=1 and "
+                         f"{DIRECT_INGRESS_ENV}=1 on the cluster's nodes, as --ingress haproxy sets): Serve's proxy "
+                         "hands every request to the replica's own process")
     options = dict(
         ray_actor_options={"num_gpus": scale.gpus_per_replica, "num_cpus": scale.cpus_per_replica},
         # a replica's own admission refuses what it cannot take (429 with OpenAI's error body, as a lone server)
@@ -158,7 +174,8 @@ def application(scale: ScaleConfig, server: ServerConfig, load: dict):
                                          "target_ongoing_requests": target}
     else:
         options["num_replicas"] = scale.replicas
-    return SpeechReplica.options(**options).bind(server, load, scale.stall_s, scale.metrics_period_s)
+    return SpeechReplica.options(**options).bind(server, load, scale.stall_s, scale.metrics_period_s, fronts,
+                                                 log_level)
 
 
 def app_builder(args: dict[str, object]):
@@ -171,7 +188,7 @@ def app_builder(args: dict[str, object]):
         runs = "HAProxy" if haproxy else "Serve's proxy"
         raise ValueError(f"ingress={settings.scale.ingress}, but this Ray cluster runs {runs}: {HAPROXY_ENV} and "
                          f"{DIRECT_INGRESS_ENV} in its nodes' environment choose it")
-    return application(settings.scale, settings.server, settings.load)
+    return application(settings.scale, settings.server, settings.load, settings.fronts, settings.log_level)
 
 
 class _Stop(Exception):
@@ -195,7 +212,8 @@ def run(settings: ServeSettings) -> int:
         try:
             serve.start(http_options={"host": settings.host, "port": settings.port,
                                       "keep_alive_timeout_s": server.keep_alive_s})
-            serve.run(application(scale, server, settings.load), name=APP_NAME, route_prefix="/")
+            serve.run(application(scale, server, settings.load, settings.fronts, settings.log_level), name=APP_NAME,
+                      route_prefix="/")
             count = f"{scale.min_replicas}-{scale.max_replicas}" if scale.autoscaling else str(scale.replicas)
             print(f"serving on http://{settings.host}:{settings.port} with {count} replicas (Ray Serve)", flush=True)
             while True:

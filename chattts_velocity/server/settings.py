@@ -199,7 +199,8 @@ class ServeSettings:
     engine_process: bool = False
     """The model and engine in a process of their own, the HTTP fronts in others (each has its own GIL)."""
     fronts: int = 1
-    """HTTP front processes over the engine process, on one port (``SO_REUSEPORT``)."""
+    """HTTP front processes over the engine process, on one port (``SO_REUSEPORT``); with replicas, each
+    replica's (``replica_fronts``)."""
     scale: ScaleConfig | None = None
     """Ray Serve replicas, each a whole one-process server; None: no Ray."""
 
@@ -211,11 +212,18 @@ class ServeSettings:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.threads is not None:
             _check_int("threads", self.threads, 1)
-        if self.fronts > 1:
+        if self.scale is not None:
+            if self.engine_process:
+                raise ValueError("--engine-process runs one engine apart from its HTTP front; each Ray Serve "
+                                 "replica runs its engine in a process of its own already: drop it")
+            if self.fronts > 1 and self.scale.ingress != "haproxy":
+                raise ValueError("--fronts with replicas needs --ingress haproxy: Serve's proxy hands every request "
+                                 "to the replica's own process, so other fronts would get none")
+            if self.fronts > 1 and self.scale.autoscaling:
+                raise ValueError("--fronts with --min-replicas/--max-replicas: Serve's autoscaling counts only the "
+                                 "requests of a replica's own process, not its other fronts': use --replicas N")
+        elif self.fronts > 1:
             object.__setattr__(self, "engine_process", True)
-        if self.scale is not None and self.engine_process:
-            raise ValueError("--engine-process (and --fronts) run one engine apart from its HTTP fronts; with "
-                             "replicas each Ray Serve replica is a process of its own already: drop one of the two")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], replicas: bool = False) -> ServeSettings:

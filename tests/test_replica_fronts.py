@@ -1,0 +1,177 @@
+"""A Ray Serve replica's other HTTP fronts (``server/replica_fronts.py``), without Ray: the replica's part is
+played here (its engine process, a listening socket as Serve's server binds it, without ``SO_REUSEPORT``, and
+a desk that answers as the cluster would). The fronts accept on that very socket once it is handed over, answer
+Serve's health probes, count against the replica's limits, and drain on SIGTERM; a front whose replica dies
+dies with it. The whole thing under Ray is ``test_scale.py``."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+from prometheus_client import Metric
+from server_helpers import API_KEY, listening_pids
+
+from chattts_velocity.server import ServerConfig
+from chattts_velocity.server.admission import shared_counts
+from chattts_velocity.server.app import build_app
+from chattts_velocity.server.replica_fronts import (
+    FRONT_HEADER,
+    REPLICA_HEADER,
+    ReplicaClient,
+    ReplicaFronts,
+    ReplicaHeader,
+    ServeProbes,
+    find_listener,
+)
+from chattts_velocity.server.run import _admission
+from chattts_velocity.serving.engine_process.host import EngineSettings
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+class FakeLink:
+    """The replica's link to the cluster: voices in a dict, one other replica's metrics."""
+
+    def __init__(self):
+        self.records: dict[str, dict] = {}
+        self.voices = self
+        other = Metric("chattts_requests", "HTTP requests by route and status", "counter")
+        other.add_sample("chattts_requests_total", {"route": "/v1/audio/speech", "status": "200", "replica": "other"},
+                         5.0)
+        self.other = [other]
+        self.stopped = False
+
+    def put(self, record: dict) -> None:
+        self.records[record["id"]] = record
+
+    def all(self) -> list[dict]:
+        return list(self.records.values())
+
+    def peers(self) -> list[list[Metric]]:
+        return [self.other]
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_find_listener_finds_a_listening_socket_by_its_port_range():
+    with socket.socket() as listening, socket.socket() as bound_only:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        bound_only.bind(("127.0.0.1", 0))
+        port, other = listening.getsockname()[1], bound_only.getsockname()[1]
+        assert find_listener(range(port, port + 1)) == listening.fileno()
+        assert find_listener(range(other, other + 1)) is None  # bound, not listening
+    assert find_listener(range(port, port + 1)) is None  # closed
+
+
+def serve_in_thread(app, sock: socket.socket):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def test_a_replicas_other_front_accepts_on_its_socket_within_its_limits(upstream_ckpt):
+    config = ServerConfig(max_concurrent=2, max_queue=1, max_new_token=24, api_key=API_KEY, shutdown_timeout_s=20)
+    load = {"source": "custom", "custom_path": upstream_ckpt, "device": "cpu"}
+    link = FakeLink()
+    client = ReplicaClient.start_engine(load, EngineSettings(audio_round_ms=0, log_level="warning"), fronts=2,
+                                        link=link, replica="r1", front_count=2)
+    counts = shared_counts(2)
+    fronts = server = None
+    listening = socket.socket()  # as Serve's replica server binds it: no SO_REUSEPORT
+    try:
+        client.wait_ready(300)
+        fronts = ReplicaFronts(client, config, counts, "r1", "app",
+                               desk={"put": link.put, "all": link.all, "peers": link.peers}, log_level="info")
+        (front,) = [process for process, _, _ in fronts.fronts]
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(64)
+        port = listening.getsockname()[1]
+        app = build_app(client, config, _admission(config, counts, 0), metric_labels={"replica": "r1"})
+        app.add_middleware(ServeProbes, client=client, app_name="app")  # what Serve's server answers itself
+        app.add_middleware(ReplicaHeader, replica="r1")
+        server, thread = serve_in_thread(app, listening)
+        fronts.hand_over(lambda: find_listener(range(port, port + 1)), timeout_s=30)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while not listening_pids([front.pid], port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert listening_pids([front.pid], port) == [front.pid]  # the very socket, not a port of its own
+
+        # Serve's probes, as HAProxy sends them to whichever front accepts
+        served = set()
+        with httpx.Client(timeout=60) as http:
+            for _ in range(200):
+                with httpx.Client(timeout=60) as fresh:  # a new connection each: the kernel picks the front
+                    r = fresh.get(url + "/-/healthz")
+                if r.headers.get(FRONT_HEADER) == "1":
+                    break
+            assert r.headers.get(FRONT_HEADER) == "1" and (r.status_code, r.text) == (200, "success")
+            with httpx.Client(timeout=60) as fresh:
+                routes = fresh.get(url + "/-/routes")
+            assert routes.status_code == 200 and routes.json() == {"/": "app"}
+            for seed in range(40):
+                with httpx.Client(timeout=60) as fresh:
+                    r = fresh.post(url + "/v1/audio/speech", headers=AUTH, json={
+                        "model": "tts-1", "voice": "alloy", "input": "Hello there.", "response_format": "pcm",
+                        "seed": seed})
+                assert r.status_code == 200 and r.headers[REPLICA_HEADER] == "r1" and len(r.content) > 0
+                served.add(r.headers[FRONT_HEADER])
+                if served == {"0", "1"}:
+                    break
+            assert served == {"0", "1"}
+            # /metrics from either front: both fronts' requests, and the other replica's beside them
+            text = http.get(url + "/metrics").text
+            assert 'chattts_requests_total{replica="other",route="/v1/audio/speech",status="200"} 5.0' in text
+            ok = [line for line in text.splitlines()
+                  if line.startswith('chattts_requests_total{replica="r1",route="/v1/audio/speech",status="200"}')]
+            assert len(ok) == 1 and float(ok[0].rsplit(" ", 1)[1]) == seed + 1, ok
+        assert fronts.health() is None
+        # the replica drains: the other front answers new speech 503 too
+        fronts.drain()
+        state = app.state.speech
+        state.draining = True
+        for _ in range(200):
+            with httpx.Client(timeout=60) as fresh:
+                r = fresh.post(url + "/v1/audio/speech", headers=AUTH, json={
+                    "model": "tts-1", "voice": "alloy", "input": "Hello there.", "response_format": "pcm"})
+            assert r.status_code == 503
+            if r.headers.get(FRONT_HEADER) == "1":
+                break
+        assert r.headers.get(FRONT_HEADER) == "1"
+        fronts.close(config.shutdown_timeout_s)
+        assert front.exitcode == 0 and fronts.health() is not None
+        fronts = None
+    finally:
+        if fronts is not None:
+            fronts.close(5)
+        if server is not None:
+            server.should_exit = True
+        listening.close()
+        client.close()
+    assert link.stopped
+
+
+def test_fronts_that_get_no_socket_exit_and_the_replica_serves_alone(upstream_ckpt):
+    config = ServerConfig(max_new_token=24)
+    load = {"source": "custom", "custom_path": upstream_ckpt, "device": "cpu"}
+    link = FakeLink()
+    client = ReplicaClient.start_engine(load, EngineSettings(audio_round_ms=0, log_level="warning"), fronts=2,
+                                        link=link, replica="r1", front_count=2)
+    try:
+        client.wait_ready(300)
+        fronts = ReplicaFronts(client, config, shared_counts(2), "r1", "app", desk={}, log_level="warning")
+        fronts.hand_over(lambda: None, timeout_s=0.2)
+        (front,) = [process for process, _, _ in fronts.fronts]
+        front.join(120)
+        assert front.exitcode == 0 and fronts.alone and fronts.health() is None
+        fronts.close(5)
+    finally:
+        client.close()
