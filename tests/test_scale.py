@@ -437,25 +437,26 @@ def replica_engines() -> dict[int, int]:
     return replica_children()[0]
 
 
-def test_each_replicas_other_front_accepts_on_serves_socket_within_the_replicas_limits(server):
-    """``--fronts 2``: under each replica an engine process and one more front, which holds the very listening
-    socket of the replica's own HTTP server (Serve binds it without ``SO_REUSEPORT``); both fronts answer
-    requests, and the replica's ``/metrics`` counts what each served."""
+def test_each_replicas_fronts_take_over_serves_socket_and_serve_within_its_limits(server):
+    """``--fronts 2``: under each replica an engine process and two front processes, which hold the very
+    listening socket of the replica's own HTTP server (Serve binds it without ``SO_REUSEPORT``) while the replica's
+    process no longer does; both fronts answer requests, and the replica's ``/metrics`` counts what each served."""
     engines, fronts = replica_children()
-    assert sorted(engines.values()) == sorted(fronts.values()) and len(set(fronts.values())) == 2, (engines, fronts)
-    for front, replica in fronts.items():
-        shared = socket_inodes(front) & socket_inodes(replica) & listening_inodes()
-        assert len(shared) == 1, (front, replica)
+    assert len(engines) == 2 and sorted(fronts.values()) == sorted(list(engines.values()) * 2), (engines, fronts)
+    for replica in engines.values():
+        mine = [front for front, of in fronts.items() if of == replica]
+        shared = set.intersection(*(socket_inodes(front) for front in mine)) & listening_inodes()
+        assert len(shared) == 1 and not shared & socket_inodes(replica), (replica, mine)
     before = own_metrics(server.url)
     served: list[tuple[str, str]] = []
-    for _ in range(12):  # which process accepts a connection is the kernel's choice: rounds until both have
+    for _ in range(12):  # which front accepts a connection is the kernel's choice: rounds until each has
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             responses = list(pool.map(lambda seed: post(server.url, body(seed=seed)), range(6)))
         assert [r.status_code for r in responses] == [200] * 6
         served += [(r.headers[REPLICA_HEADER], r.headers[FRONT_HEADER]) for r in responses]
         if len(set(served)) == 4:
             break
-    assert set(served) == {(replica, front) for replica in before for front in "01"}, served
+    assert set(served) == {(replica, front) for replica in before for front in "12"}, served
     after = own_metrics(server.url, before)
     for replica in before:
         assert ok_count(after[replica]) - ok_count(before[replica]) == [r for r, _ in served].count(replica)

@@ -1,13 +1,15 @@
-"""A Ray Serve replica's HTTP fronts (``serve --replicas N --fronts F``): the replica's own process is the first,
-and it starts ``F - 1`` more over its engine process, as ``serve --fronts`` does on one machine.
+"""A Ray Serve replica's HTTP fronts (``serve --replicas N --fronts F``): F front processes over the replica's
+engine process, as ``serve --fronts`` runs them on one machine, while the replica's own process keeps Serve's side
+(health checks, reports, the cluster's voices and metrics) and no longer serves HTTP.
 
 Serve's HAProxy hands each connection to the replica's own HTTP server (direct ingress), which Serve binds
-without ``SO_REUSEPORT``: the other fronts cannot bind its port, so they share its listening socket instead. Once
-Serve's server listens, the replica finds that socket among its own (``find_listener``) and sends it to each front
-(``ReplicaFronts.hand_over``); every front then accepts from it, and the kernel hands each new connection to a
-front waiting in ``accept``. The fronts admit against the replica's one set of limits (``shared_counts``); each
-answers Serve's ``/-/healthz`` and ``/-/routes`` (HAProxy's health checks reach any of them); what only a Ray worker
-can reach (the shared voices, the other replicas' metrics) a front asks its replica for over a pipe (``Desk``).
+without ``SO_REUSEPORT``: the fronts cannot bind its port, so they take over its listening socket instead. Once
+Serve's server listens, the replica finds that socket among its own (``find_listener``), sends it to each front
+(``ReplicaFronts.hand_over``) and stops accepting on it itself (``stop_serving``); the kernel hands each new
+connection to a front waiting in ``accept``. The fronts admit against the replica's one set of limits
+(``shared_counts``); each answers Serve's ``/-/healthz`` and ``/-/routes`` (HAProxy's health checks); what only a
+Ray worker can reach (the shared voices, the other replicas' metrics) a front asks its replica for over a pipe
+(``Desk``).
 
 A front whose replica dies is killed with it (``PR_SET_PDEATHSIG``), so that the engine process, with every front
 gone, exits and frees its GPU for the replica Serve starts in its place; a replica stopping on its own drains its
@@ -16,6 +18,7 @@ fronts first (SIGTERM). Ray is not imported here: the front processes never impo
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import multiprocessing as mp
@@ -30,6 +33,7 @@ from dataclasses import asdict
 from multiprocessing.reduction import recv_handle, send_handle
 
 import numpy as np
+import uvicorn
 from prometheus_client import Metric
 
 from ..gc_freeze import freeze_long_lived
@@ -98,6 +102,19 @@ class ServeProbes:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", kind), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def stop_serving(fd: int) -> int:
+    """Have this process's uvicorn servers stop accepting on socket ``fd`` (each on its own loop; the
+    connections they accepted go on), closing their descriptor of it: processes it was handed to keep the socket
+    listening. Returns how many servers stopped."""
+    stopped = 0
+    for server in [o for o in gc.get_objects() if isinstance(o, uvicorn.Server)]:
+        for listener in getattr(server, "servers", None) or ():
+            if any(sock.fileno() == fd for sock in listener.sockets):
+                listener.get_loop().call_soon_threadsafe(listener.close)
+                stopped += 1
+    return stopped
 
 
 def find_listener(ports: range) -> int | None:
@@ -184,8 +201,9 @@ class ReplicaClient(RemoteClient):
 
 
 class ReplicaFronts:
-    """A replica's fronts beyond its own: processes over the engine process's other ends (``client.peers``),
-    each answering its ``Desk`` from a thread here. ``hand_over`` gives them Serve's listening socket."""
+    """A replica's front processes, over the engine process's other ends (``client.peers``: the replica's own
+    process is front 0), each ``Desk`` answered from a thread here. ``hand_over`` gives them Serve's listening
+    socket."""
 
     def __init__(self, client: RemoteClient, config: ServerConfig, counts, replica: str, app_name: str,
                  desk: dict[str, Callable], log_level: str = "info", log: logging.Logger = logger):
@@ -199,7 +217,7 @@ class ReplicaFronts:
         self.fronts: list[tuple[mp.Process, object, object]] = []  # process, its desk's end, its socket's end
         self._closing = False
         self.alone = False
-        """Serve's listening socket was not found: the other fronts exited, the replica's own serves."""
+        """Serve's listening socket was not found: the fronts exited, the replica's own process serves."""
         for index, ends in enumerate(client.peers, 1):
             desk_end, their_desk = ctx.Pipe()
             sock_end, their_sock = ctx.Pipe()
@@ -212,9 +230,11 @@ class ReplicaFronts:
             self.fronts.append((process, desk_end, sock_end))
             threading.Thread(target=self._answer, args=(desk_end,), name=f"replica-desk-{index}", daemon=True).start()
 
-    def hand_over(self, find: Callable[[], int | None], timeout_s: float = LISTENER_WAIT_S) -> None:
-        """From a thread: wait until ``find()`` gives the listening socket's descriptor, then send it to every
-        front. Not found in ``timeout_s``: the fronts are told so and exit (the replica serves alone)."""
+    def hand_over(self, find: Callable[[], int | None], timeout_s: float = LISTENER_WAIT_S,
+                  stop_own: Callable[[int], object] = stop_serving) -> None:
+        """From a thread: wait until ``find()`` gives the listening socket's descriptor, send it to every front,
+        then ``stop_own(fd)``: this process stops accepting on it. Not found in ``timeout_s``: the fronts are
+        told so and exit (the replica serves alone)."""
         deadline = time.monotonic() + timeout_s
         fd = find()
         while fd is None and time.monotonic() < deadline and not self._closing:
@@ -230,11 +250,13 @@ class ReplicaFronts:
                     send_handle(sock_end, fd, process.pid)
             except OSError as e:
                 self.log.error("could not hand the listening socket to front process %d: %s", process.pid, e)
-        if fd is None and not self._closing:
-            self.log.error("Serve's listening socket was not found within %g s: this replica's other fronts exit, "
-                         "its own serves alone", timeout_s)
-        else:
-            self.log.info("%d more fronts accept on the replica's listening socket", len(self.fronts))
+        if fd is None:
+            if not self._closing:
+                self.log.error("Serve's listening socket was not found within %g s: this replica's fronts exit, "
+                               "its own process serves alone", timeout_s)
+            return
+        stop_own(fd)
+        self.log.info("%d front processes accept on the replica's listening socket", len(self.fronts))
 
     def _answer(self, conn) -> None:
         """Answer one front's ``Desk`` until it goes away."""

@@ -8,7 +8,8 @@ process only prepares requests and moves bytes between Serve and the engine proc
 other's GIL. The routes, schema, errors, streaming and SSE are the server's, and so are the limits: each replica
 admits its own ``max_concurrent`` running and ``max_queue`` waiting requests and answers 429 (OpenAI's error body,
 ``Retry-After``) beyond them. HTTP comes in through Serve's HAProxy, which hands each connection to the replica
-with the fewest (``ScaleConfig.ingress`` haproxy: the replica serves it with its own HTTP server), or through
+with the fewest (``ScaleConfig.ingress`` haproxy: the replica serves it with its own HTTP server, or with
+``fronts`` > 1 its front processes take over that server's socket: ``replica_fronts.py``), or through
 Serve's Python proxy, which sends each request to the replica whose engine has the least work
 (``routing.EngineLoadRouter``) and relays the body; either way a client that goes away has its request cancelled
 in the engine process (the body's ``finally``), freeing its blocks.
@@ -71,9 +72,12 @@ class SpeechReplica:
         # Ray shows a replica only its own GPU, as ``cuda``, and the engine process inherits that view: an unset
         # device and dtype are chosen there
         engine = EngineSettings(voices_dir=server.voices_dir, audio_round_ms=server.audio_round_ms, stall_s=stall_s)
-        self.client = ReplicaClient.start_engine(load, engine, fronts=fronts, link=link, replica=self.replica,
-                                                 front_count=fronts, beat_timeout_s=server.engine_timeout_s)
-        self.counts = shared_counts(fronts) if fronts > 1 else None
+        # with fronts, this process is one more front of its engine process: the one that serves until they
+        # take over Serve's socket (and alone, if that fails)
+        ends = fronts + 1 if fronts > 1 else 1
+        self.client = ReplicaClient.start_engine(load, engine, fronts=ends, link=link, replica=self.replica,
+                                                 front_count=ends, beat_timeout_s=server.engine_timeout_s)
+        self.counts = shared_counts(ends) if fronts > 1 else None
         self.fronts = None
         try:
             info = self.client.wait_ready()
