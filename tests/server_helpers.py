@@ -159,6 +159,22 @@ def socket_inodes(pid: int) -> set[int]:
     return inodes
 
 
+def listening_ports() -> dict[int, int]:
+    """{socket inode: local port} of every listening TCP socket on this machine."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A":
+                found[int(fields[9])] = int(fields[1].rsplit(":", 1)[1], 16)
+    return found
+
+
 def listening_inodes(port: int | None = None) -> set[int]:
     """The inodes of the TCP sockets listening on ``port`` (None: on any port)."""
     return {inode for inode, (state, _) in _tcp_sockets(port).items() if state == "listen"}

@@ -36,8 +36,8 @@ from realtime_helpers import Heard, assert_same_samples, hear, http_pcm, next_ev
 from server_helpers import (  # noqa: E402
     API_KEY,
     ServerProcess,
-    listening_inodes,
     listening_pids,
+    listening_ports,
     processes,
     socket_inodes,
     spawned,
@@ -438,24 +438,33 @@ def replica_engines() -> dict[int, int]:
 
 
 def test_each_replicas_fronts_take_over_serves_socket_and_serve_within_its_limits(server):
-    """``--fronts 2``: under each replica an engine process and two front processes, which hold the very
-    listening socket of the replica's own HTTP server (Serve binds it without ``SO_REUSEPORT``) while the replica's
-    process no longer does; both fronts answer requests, and the replica's ``/metrics`` counts what each served."""
+    """``--fronts 2``: under each replica an engine process and two front processes, which listen on the port of
+    the replica's own HTTP server (Serve binds it without ``SO_REUSEPORT``; the replica closed it, and each front
+    bound it anew) while the replica's process no longer does; both fronts answer requests, and the replica's
+    ``/metrics`` counts what each served."""
     engines, fronts = replica_children()
     assert len(engines) == 2 and sorted(fronts.values()) == sorted(list(engines.values()) * 2), (engines, fronts)
+    ports = listening_ports()
+    replica_ports = {}
     for replica in engines.values():
         mine = [front for front, of in fronts.items() if of == replica]
-        shared = set.intersection(*(socket_inodes(front) for front in mine)) & listening_inodes()
-        assert len(shared) == 1 and not shared & socket_inodes(replica), (replica, mine)
+        sockets = [socket_inodes(front) & set(ports) for front in mine]
+        assert [len(held) for held in sockets] == [1, 1] and sockets[0] != sockets[1], (replica, mine)
+        (port,) = {ports[inode] for held in sockets for inode in held}  # one port, a socket each
+        assert port not in {ports[inode] for inode in socket_inodes(replica) & set(ports)}  # the replica's: no more
+        replica_ports[replica] = port
     before = own_metrics(server.url)
     served: list[tuple[str, str]] = []
-    for _ in range(12):  # which front accepts a connection is the kernel's choice: rounds until each has
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            responses = list(pool.map(lambda seed: post(server.url, body(seed=seed)), range(6)))
-        assert [r.status_code for r in responses] == [200] * 6
-        served += [(r.headers[REPLICA_HEADER], r.headers[FRONT_HEADER]) for r in responses]
-        if len(set(served)) == 4:
-            break
+    # HAProxy keeps its connections to a replica open and reuses them, so connections of our own to each
+    # replica's port show how the kernel spreads new ones over its fronts
+    for port in replica_ports.values():
+        for seed in range(40):
+            with httpx.Client(timeout=60) as fresh:
+                r = fresh.post(f"http://127.0.0.1:{port}{SPEECH}", headers=AUTH, json=body(seed=seed))
+            assert r.status_code == 200
+            served.append((r.headers[REPLICA_HEADER], r.headers[FRONT_HEADER]))
+            if {front for _, front in served[-seed - 1:]} == {"1", "2"}:
+                break
     assert set(served) == {(replica, front) for replica in before for front in "12"}, served
     after = own_metrics(server.url, before)
     for replica in before:

@@ -3,10 +3,14 @@ engine process, as ``serve --fronts`` runs them on one machine, while the replic
 (health checks, reports, the cluster's voices and metrics) and no longer serves HTTP.
 
 Serve's HAProxy hands each connection to the replica's own HTTP server (direct ingress), which Serve binds
-without ``SO_REUSEPORT``: the fronts cannot bind its port, so they take over its listening socket instead. Once
-Serve's server listens, the replica finds that socket among its own (``find_listener``), sends it to each front
-(``ReplicaFronts.hand_over``) and stops accepting on it itself (``stop_serving``); the kernel hands each new
-connection to a front waiting in ``accept``. The fronts admit against the replica's one set of limits
+without ``SO_REUSEPORT``: no other process can bind its port while that socket is open. Once Serve's server
+listens, the replica finds the socket among its own (``find_listener``), has that server close it
+(``stop_serving``; the connections it accepted go on) and tells its fronts the address
+(``ReplicaFronts.hand_over``): each binds the port anew with ``SO_REUSEPORT``, as ``serve --fronts``' fronts do,
+and the kernel spreads new connections evenly over them. A connection that arrives in the instant between is
+refused, and HAProxy retries it (``RAY_SERVE_HAPROXY_RETRY_ON`` includes conn-failure). (One socket shared by
+every front would let the first to wake take each connection, piling streams onto some fronts while others
+idle.) The fronts admit against the replica's one set of limits
 (``shared_counts``); each answers Serve's ``/-/healthz`` and ``/-/routes`` (HAProxy's health checks); what only a
 Ray worker can reach (the shared voices, the other replicas' metrics) a front asks its replica for over a pipe
 (``Desk``).
@@ -30,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from multiprocessing.reduction import recv_handle, send_handle
 
 import numpy as np
 import uvicorn
@@ -42,7 +45,7 @@ from ..serving.engine_process.remote import RemoteClient
 from ..serving.voices import Voice
 from .app import build_app
 from .metrics import labelled
-from .run import _admission, _die_with_parent, _server
+from .run import _admission, _die_with_parent, _listen, _server
 from .settings import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -54,7 +57,9 @@ FRONT_HEADER = "x-chattts-front"
 SERVE_PROBES = ("/-/healthz", "/-/routes")
 """The paths Serve's replica server answers itself: HAProxy's health checks and route table."""
 LISTENER_WAIT_S = 120.0
-"""How long the replica looks for Serve's listening socket before its other fronts give up (and exit)."""
+"""How long the replica looks for Serve's listening socket before its fronts give up (and exit)."""
+CLOSE_WAIT_S = 5.0
+"""How long the replica waits for Serve's server to close that socket before its fronts bind the port."""
 
 
 class ReplicaHeader:
@@ -231,32 +236,38 @@ class ReplicaFronts:
             threading.Thread(target=self._answer, args=(desk_end,), name=f"replica-desk-{index}", daemon=True).start()
 
     def hand_over(self, find: Callable[[], int | None], timeout_s: float = LISTENER_WAIT_S,
-                  stop_own: Callable[[int], object] = stop_serving) -> None:
-        """From a thread: wait until ``find()`` gives the listening socket's descriptor, send it to every front,
-        then ``stop_own(fd)``: this process stops accepting on it. Not found in ``timeout_s``: the fronts are
-        told so and exit (the replica serves alone)."""
+                  stop_own: Callable[[int], int] = stop_serving) -> None:
+        """From a thread: wait until ``find()`` gives Serve's listening socket, have this process stop serving
+        it (``stop_own(fd)``: how many servers stopped) and wait until it is closed, then send every front its
+        address, which they bind anew. Not found in ``timeout_s``, or served by nothing here: the fronts are told
+        so and exit (the replica's own process serves alone)."""
         deadline = time.monotonic() + timeout_s
         fd = find()
         while fd is None and time.monotonic() < deadline and not self._closing:
             time.sleep(0.05)
             fd = find()
-        self.alone = fd is None
+        address = None
+        if fd is not None:
+            with socket.socket(fileno=os.dup(fd)) as sock:  # a descriptor of our own, closed before the wait
+                address = sock.getsockname()[:2]
+            if stop_own(fd):
+                closed_by = time.monotonic() + CLOSE_WAIT_S
+                while find() is not None and time.monotonic() < closed_by:
+                    time.sleep(0.005)
+            else:
+                address = None
+        self.alone = address is None
         for process, _, sock_end in self.fronts:
             try:
-                if fd is None:
-                    sock_end.send(None)
-                else:
-                    sock_end.send(True)
-                    send_handle(sock_end, fd, process.pid)
+                sock_end.send(address)
             except OSError as e:
-                self.log.error("could not hand the listening socket to front process %d: %s", process.pid, e)
-        if fd is None:
+                self.log.error("could not tell front process %d where to listen: %s", process.pid, e)
+        if address is None:
             if not self._closing:
-                self.log.error("Serve's listening socket was not found within %g s: this replica's fronts exit, "
-                               "its own process serves alone", timeout_s)
+                self.log.error("no server of this process listens in Serve's port range (waited %g s): this "
+                               "replica's fronts exit, its own process serves alone", timeout_s)
             return
-        stop_own(fd)
-        self.log.info("%d front processes accept on the replica's listening socket", len(self.fronts))
+        self.log.info("%d front processes listen on %s:%d", len(self.fronts), *address)
 
     def _answer(self, conn) -> None:
         """Answer one front's ``Desk`` until it goes away."""
@@ -325,10 +336,16 @@ def front_main(ends: FrontEnds, index: int, counts, config: ServerConfig, replic
     freeze_long_lived()
     server = _server(app, config, None, None, log_level, ignore_sigint=True)
     client.on_lost = server.engine_lost
-    if not sock_conn.recv():  # the replica found no socket to share
+    address = sock_conn.recv()
+    if address is None:  # the replica found no socket to take over
         client.close()
         sys.exit(0)
-    sock = socket.socket(fileno=recv_handle(sock_conn))
+    try:
+        sock = _listen(*address)
+    except OSError as e:
+        logging.getLogger(__name__).error("cannot listen on %s:%d: %s", *address, e)
+        client.close()
+        sys.exit(1)
     try:
         server.run(sockets=[sock])
     finally:
