@@ -1,7 +1,7 @@
 """A Ray Serve replica's HTTP front processes (``server/replica_fronts.py``), without Ray: the replica's part is
 played here (its engine process, a server on a listening socket bound as Serve binds it, without
-``SO_REUSEPORT``, and a desk that answers as the cluster would). At the hand-over that server closes the socket
-and the fronts bind its port anew; they answer Serve's probes, add each other's metrics up, and drain with the
+``SO_REUSEPORT``, and a desk that answers as the cluster would). Once the socket is handed over the fronts accept
+on it and this process stops; they answer Serve's probes, add each other's metrics up, and drain with the
 replica. The whole thing under Ray is ``test_scale.py``."""
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ def test_a_replicas_fronts_take_over_its_socket_and_serve_within_its_limits(upst
         deadline = time.monotonic() + 120
         while len(listening_pids(pids, port)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert listening.fileno() == -1  # this process's server closed the socket, and accepts no more
-        assert listening_pids(pids, port) == pids  # each front bound the port anew (SO_REUSEPORT)
+        assert listening_pids(pids, port) == pids  # the very socket: a port of their own would not be this one
+        assert listening.fileno() == -1  # this process's server closed its descriptor, and accepts no more
 
         served = []
         for seed in range(40):

@@ -438,32 +438,33 @@ def replica_engines() -> dict[int, int]:
 
 
 def test_each_replicas_fronts_take_over_serves_socket_and_serve_within_its_limits(server):
-    """``--fronts 2``: under each replica an engine process and two front processes, which listen on the port of
-    the replica's own HTTP server (Serve binds it without ``SO_REUSEPORT``; the replica closed it, and each front
-    bound it anew) while the replica's process no longer does; both fronts answer requests, and the replica's
-    ``/metrics`` counts what each served."""
+    """``--fronts 2``: under each replica an engine process and two front processes, which hold the very
+    listening socket of the replica's own HTTP server (Serve binds it without ``SO_REUSEPORT``) while the replica's
+    process no longer does; both fronts answer requests, and the replica's ``/metrics`` counts what each served."""
     engines, fronts = replica_children()
     assert len(engines) == 2 and sorted(fronts.values()) == sorted(list(engines.values()) * 2), (engines, fronts)
     ports = listening_ports()
     replica_ports = {}
     for replica in engines.values():
         mine = [front for front, of in fronts.items() if of == replica]
-        sockets = [socket_inodes(front) & set(ports) for front in mine]
-        assert [len(held) for held in sockets] == [1, 1] and sockets[0] != sockets[1], (replica, mine)
-        (port,) = {ports[inode] for held in sockets for inode in held}  # one port, a socket each
-        assert port not in {ports[inode] for inode in socket_inodes(replica) & set(ports)}  # the replica's: no more
-        replica_ports[replica] = port
+        (shared,) = set.intersection(*(socket_inodes(front) for front in mine)) & set(ports)
+        assert shared not in socket_inodes(replica), (replica, mine)
+        replica_ports[replica] = ports[shared]
     before = own_metrics(server.url)
     served: list[tuple[str, str]] = []
-    # HAProxy keeps its connections to a replica open and reuses them, so connections of our own to each
-    # replica's port show how the kernel spreads new ones over its fronts
+    # HAProxy keeps its connections to a replica open and reuses them: connections of our own to each replica's
+    # port show that both fronts accept (the kernel wakes those waiting; a busy one takes fewer)
     for port in replica_ports.values():
-        for seed in range(40):
-            with httpx.Client(timeout=60) as fresh:
-                r = fresh.post(f"http://127.0.0.1:{port}{SPEECH}", headers=AUTH, json=body(seed=seed))
-            assert r.status_code == 200
-            served.append((r.headers[REPLICA_HEADER], r.headers[FRONT_HEADER]))
-            if {front for _, front in served[-seed - 1:]} == {"1", "2"}:
+        fronts_seen = set()
+        url = f"http://127.0.0.1:{port}{SPEECH}"
+        for _ in range(10):
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                responses = list(pool.map(lambda seed, url=url: httpx.post(url, headers=AUTH, json=body(seed=seed),
+                                                                           timeout=120), range(4)))
+            assert [r.status_code for r in responses] == [200] * 4
+            served += [(r.headers[REPLICA_HEADER], r.headers[FRONT_HEADER]) for r in responses]
+            fronts_seen |= {r.headers[FRONT_HEADER] for r in responses}
+            if fronts_seen == {"1", "2"}:
                 break
     assert set(served) == {(replica, front) for replica in before for front in "12"}, served
     after = own_metrics(server.url, before)

@@ -3,14 +3,10 @@ engine process, as ``serve --fronts`` runs them on one machine, while the replic
 (health checks, reports, the cluster's voices and metrics) and no longer serves HTTP.
 
 Serve's HAProxy hands each connection to the replica's own HTTP server (direct ingress), which Serve binds
-without ``SO_REUSEPORT``: no other process can bind its port while that socket is open. Once Serve's server
-listens, the replica finds the socket among its own (``find_listener``), has that server close it
-(``stop_serving``; the connections it accepted go on) and tells its fronts the address
-(``ReplicaFronts.hand_over``): each binds the port anew with ``SO_REUSEPORT``, as ``serve --fronts``' fronts do,
-and the kernel spreads new connections evenly over them. A connection that arrives in the instant between is
-refused, and HAProxy retries it (``RAY_SERVE_HAPROXY_RETRY_ON`` includes conn-failure). (One socket shared by
-every front would let the first to wake take each connection, piling streams onto some fronts while others
-idle.) The fronts admit against the replica's one set of limits
+without ``SO_REUSEPORT``: the fronts cannot bind its port, so they take over its listening socket instead. Once
+Serve's server listens, the replica finds that socket among its own (``find_listener``), sends it to each front
+(``ReplicaFronts.hand_over``) and stops accepting on it itself (``stop_serving``); the kernel hands each new
+connection to a front waiting in ``accept``. The fronts admit against the replica's one set of limits
 (``shared_counts``); each answers Serve's ``/-/healthz`` and ``/-/routes`` (HAProxy's health checks); what only a
 Ray worker can reach (the shared voices, the other replicas' metrics) a front asks its replica for over a pipe
 (``Desk``).
@@ -34,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from multiprocessing.reduction import recv_handle, send_handle
 
 import numpy as np
 import uvicorn
@@ -45,7 +42,7 @@ from ..serving.engine_process.remote import RemoteClient
 from ..serving.voices import Voice
 from .app import build_app
 from .metrics import labelled
-from .run import _admission, _die_with_parent, _listen, _server
+from .run import _admission, _die_with_parent, _server
 from .settings import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -56,10 +53,10 @@ FRONT_HEADER = "x-chattts-front"
 """Response header naming the replica's front process that answered (0: the replica's own)."""
 SERVE_PROBES = ("/-/healthz", "/-/routes")
 """The paths Serve's replica server answers itself: HAProxy's health checks and route table."""
+ACCEPTING = "accepting"
+"""What a front tells its replica once its server accepts on the handed socket."""
 LISTENER_WAIT_S = 120.0
-"""How long the replica looks for Serve's listening socket before its fronts give up (and exit)."""
-CLOSE_WAIT_S = 5.0
-"""How long the replica waits for Serve's server to close that socket before its fronts bind the port."""
+"""How long the replica looks for Serve's listening socket before its other fronts give up (and exit)."""
 
 
 class ReplicaHeader:
@@ -114,7 +111,15 @@ def stop_serving(fd: int) -> int:
     connections they accepted go on), closing their descriptor of it: processes it was handed to keep the socket
     listening. Returns how many servers stopped."""
     stopped = 0
-    for server in [o for o in gc.get_objects() if isinstance(o, uvicorn.Server)]:
+    frozen = gc.get_freeze_count() > 0  # Serve freezes a replica's objects once it started: the collector's
+    if frozen:                          # list leaves them out until they are thawed
+        gc.unfreeze()
+    try:
+        servers = [o for o in gc.get_objects() if isinstance(o, uvicorn.Server)]
+    finally:
+        if frozen:
+            gc.freeze()
+    for server in servers:
         for listener in getattr(server, "servers", None) or ():
             if any(sock.fileno() == fd for sock in listener.sockets):
                 listener.get_loop().call_soon_threadsafe(listener.close)
@@ -236,38 +241,45 @@ class ReplicaFronts:
             threading.Thread(target=self._answer, args=(desk_end,), name=f"replica-desk-{index}", daemon=True).start()
 
     def hand_over(self, find: Callable[[], int | None], timeout_s: float = LISTENER_WAIT_S,
-                  stop_own: Callable[[int], int] = stop_serving) -> None:
-        """From a thread: wait until ``find()`` gives Serve's listening socket, have this process stop serving
-        it (``stop_own(fd)``: how many servers stopped) and wait until it is closed, then send every front its
-        address, which they bind anew. Not found in ``timeout_s``, or served by nothing here: the fronts are told
-        so and exit (the replica's own process serves alone)."""
+                  stop_own: Callable[[int], object] = stop_serving) -> None:
+        """From a thread: wait until ``find()`` gives the listening socket's descriptor, send it to every front,
+        wait until they accept on it, then ``stop_own(fd)``: this process stops accepting on it. Not found in
+        ``timeout_s``: the fronts are told so and exit; no front accepting within ``timeout_s``: this process
+        goes on accepting too (either way the replica's own process serves)."""
         deadline = time.monotonic() + timeout_s
         fd = find()
         while fd is None and time.monotonic() < deadline and not self._closing:
             time.sleep(0.05)
             fd = find()
-        address = None
-        if fd is not None:
-            with socket.socket(fileno=os.dup(fd)) as sock:  # a descriptor of our own, closed before the wait
-                address = sock.getsockname()[:2]
-            if stop_own(fd):
-                closed_by = time.monotonic() + CLOSE_WAIT_S
-                while find() is not None and time.monotonic() < closed_by:
-                    time.sleep(0.005)
-            else:
-                address = None
-        self.alone = address is None
+        self.alone = fd is None
         for process, _, sock_end in self.fronts:
             try:
-                sock_end.send(address)
+                if fd is None:
+                    sock_end.send(None)
+                else:
+                    sock_end.send(True)
+                    send_handle(sock_end, fd, process.pid)
             except OSError as e:
-                self.log.error("could not tell front process %d where to listen: %s", process.pid, e)
-        if address is None:
+                self.log.error("could not hand the listening socket to front process %d: %s", process.pid, e)
+        if fd is None:
             if not self._closing:
-                self.log.error("no server of this process listens in Serve's port range (waited %g s): this "
-                               "replica's fronts exit, its own process serves alone", timeout_s)
+                self.log.error("Serve's listening socket was not found within %g s: this replica's fronts exit, "
+                               "its own process serves alone", timeout_s)
             return
-        self.log.info("%d front processes listen on %s:%d", len(self.fronts), *address)
+        # until a front accepts, this process's server does: a connection never waits for nobody
+        accepting = 0
+        for _process, _, sock_end in self.fronts:
+            try:
+                if sock_end.poll(max(0.0, deadline - time.monotonic())) and sock_end.recv() == ACCEPTING:
+                    accepting += 1
+            except (EOFError, OSError):  # that front died: its health check says so
+                pass
+        if not accepting:
+            self.log.error("no front process accepts on the replica's listening socket: its own process serves")
+            return
+        stopped = stop_own(fd)
+        self.log.info("%d of %d front processes accept on the replica's listening socket (%d servers of this "
+                      "process stopped)", accepting, len(self.fronts), stopped)
 
     def _answer(self, conn) -> None:
         """Answer one front's ``Desk`` until it goes away."""
@@ -336,16 +348,18 @@ def front_main(ends: FrontEnds, index: int, counts, config: ServerConfig, replic
     freeze_long_lived()
     server = _server(app, config, None, None, log_level, ignore_sigint=True)
     client.on_lost = server.engine_lost
-    address = sock_conn.recv()
-    if address is None:  # the replica found no socket to take over
+    if not sock_conn.recv():  # the replica found no socket to share
         client.close()
         sys.exit(0)
-    try:
-        sock = _listen(*address)
-    except OSError as e:
-        logging.getLogger(__name__).error("cannot listen on %s:%d: %s", *address, e)
-        client.close()
-        sys.exit(1)
+    sock = socket.socket(fileno=recv_handle(sock_conn))
+
+    def tell_accepting() -> None:  # once the server accepts, the replica's own may stop
+        while not server.started and not server.should_exit:
+            time.sleep(0.01)
+        if server.started:
+            sock_conn.send(ACCEPTING)
+
+    threading.Thread(target=tell_accepting, name="replica-accepting", daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:
