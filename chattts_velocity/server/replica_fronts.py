@@ -4,9 +4,10 @@ engine process, as ``serve --fronts`` runs them on one machine, while the replic
 
 Serve's HAProxy hands each connection to the replica's own HTTP server (direct ingress), which Serve binds
 without ``SO_REUSEPORT``: the fronts cannot bind its port, so they take over its listening socket instead. Once
-Serve's server listens, the replica finds that socket among its own (``find_listener``), sends it to each front
-(``ReplicaFronts.hand_over``) and stops accepting on it itself (``stop_serving``); the kernel hands each new
-connection to a front waiting in ``accept``. The fronts admit against the replica's one set of limits
+Serve's server listens, the replica finds that socket among its own (``find_listener``) and sends it to each
+front (``ReplicaFronts.hand_over``); once they accept on it, the replica's server stops (``stop_serving``; the
+connections it accepted go on), so there is no instant without a listener. The kernel wakes the fronts waiting in
+``accept`` for each new connection, and one busy with its streams takes fewer. The fronts admit against the replica's one set of limits
 (``shared_counts``); each answers Serve's ``/-/healthz`` and ``/-/routes`` (HAProxy's health checks); what only a
 Ray worker can reach (the shared voices, the other replicas' metrics) a front asks its replica for over a pipe
 (``Desk``).
@@ -56,7 +57,7 @@ SERVE_PROBES = ("/-/healthz", "/-/routes")
 ACCEPTING = "accepting"
 """What a front tells its replica once its server accepts on the handed socket."""
 LISTENER_WAIT_S = 120.0
-"""How long the replica looks for Serve's listening socket before its other fronts give up (and exit)."""
+"""How long the replica looks for Serve's listening socket (and then waits for its fronts to accept on it)."""
 
 
 class ReplicaHeader:
