@@ -626,6 +626,7 @@ def test_a_killed_replica_fails_only_its_streams_and_serve_replaces_it(server):
     # the other replica keeps serving meanwhile. A request that HAProxy sends in the instant of the kill can get
     # HAProxy's own 500 or a connection closed without an answer (the dying replica's closing socket); a
     # client's retry, as the openai SDK's, reaches the survivor
+    survivor_answer = None
     for _ in range(3):
         try:
             survivor_answer = post(server.url, body(seed=11))
@@ -637,6 +638,7 @@ def test_a_killed_replica_fails_only_its_streams_and_serve_replaces_it(server):
         time.sleep(0.5)
     for t in threads:
         t.join(90)
+    assert survivor_answer is not None, "every try's connection closed without an answer"
     assert survivor_answer.status_code == 200, (survivor_answer.headers, survivor_answer.text)
     assert survivor_answer.headers[REPLICA_HEADER] != victim
     assert len(results) == 4
