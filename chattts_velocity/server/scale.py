@@ -53,7 +53,7 @@ HEADROOM = 4
 as ongoing, so without them ``/metrics``, ``/health``, voice requests and the speech requests that the replica
 refuses (429) would wait at Serve's proxy behind a full replica's streams."""
 DIRECT_INGRESS_PORTS = range(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT + 1)
-"""Where Serve's HAProxy ingress binds a replica's own HTTP server: the socket its other fronts share."""
+"""Where Serve's HAProxy ingress binds a replica's own HTTP server: the socket its fronts take over."""
 DRAIN_POLL_S = 0.25
 """How often ``run`` asks whether the draining replicas are done."""
 
