@@ -124,9 +124,9 @@ def metric(url: str, name: str, headers: dict | None = None, default: float | No
     return default
 
 
-def _tcp_sockets(port: int | None) -> dict[int, tuple[str, int]]:
-    """Socket inode -> (state, peer port) of every TCP socket whose local port is ``port`` (None: any; IPv4 and
-    IPv6)."""
+def _tcp_sockets(port: int | None) -> dict[int, tuple[str, int, int]]:
+    """Socket inode -> (state, local port, peer port) of every TCP socket whose local port is ``port`` (None:
+    any; IPv4 and IPv6)."""
     found = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -137,8 +137,9 @@ def _tcp_sockets(port: int | None) -> dict[int, tuple[str, int]]:
         for line in lines:
             fields = line.split()
             local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
-            if port is None or int(local.rsplit(":", 1)[1], 16) == port:
-                found[inode] = ("listen" if state == "0A" else "open", int(remote.rsplit(":", 1)[1], 16))
+            local_port = int(local.rsplit(":", 1)[1], 16)
+            if port is None or local_port == port:
+                found[inode] = ("listen" if state == "0A" else "open", local_port, int(remote.rsplit(":", 1)[1], 16))
     return found
 
 
@@ -161,23 +162,12 @@ def socket_inodes(pid: int) -> set[int]:
 
 def listening_ports() -> dict[int, int]:
     """{socket inode: local port} of every listening TCP socket on this machine."""
-    found = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A":
-                found[int(fields[9])] = int(fields[1].rsplit(":", 1)[1], 16)
-    return found
+    return {inode: local for inode, (state, local, _) in _tcp_sockets(None).items() if state == "listen"}
 
 
 def listening_inodes(port: int | None = None) -> set[int]:
     """The inodes of the TCP sockets listening on ``port`` (None: on any port)."""
-    return {inode for inode, (state, _) in _tcp_sockets(port).items() if state == "listen"}
+    return {inode for inode, (state, _, _) in _tcp_sockets(port).items() if state == "listen"}
 
 
 def listening_pids(pids: list[int], port: int | None) -> list[int]:
@@ -188,7 +178,8 @@ def listening_pids(pids: list[int], port: int | None) -> list[int]:
 
 def connection_owner(pids: list[int], port: int, client_port: int) -> int | None:
     """Which of ``pids`` holds the server end of the connection from ``client_port`` to ``port``."""
-    inodes = {inode for inode, (state, peer) in _tcp_sockets(port).items() if state == "open" and peer == client_port}
+    inodes = {inode for inode, (state, _, peer) in _tcp_sockets(port).items()
+              if state == "open" and peer == client_port}
     return next((pid for pid in pids if socket_inodes(pid) & inodes), None)
 
 

@@ -72,9 +72,8 @@ def serve_in_thread(app, sock: socket.socket):
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    return server, thread
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    return server
 
 
 def speech(url: str, seed: int = 0) -> httpx.Response:
@@ -105,7 +104,7 @@ def test_a_replicas_fronts_take_over_its_socket_and_serve_within_its_limits(upst
         app = build_app(client, config, _admission(config, counts, 0), metric_labels={"replica": "r1"})
         app.add_middleware(ServeProbes, client=client, app_name="app")  # what Serve's server answers itself
         app.add_middleware(ReplicaHeader, replica="r1")
-        server, thread = serve_in_thread(app, listening)
+        server = serve_in_thread(app, listening)
         deadline = time.monotonic() + 30
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)

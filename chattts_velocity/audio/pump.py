@@ -301,8 +301,9 @@ class AudioPump:
         if self.deadlines and not full:  # due: would run dry before this round, a step and a full round more
             horizon = now + self.pace.round_s(feeds_open) + gap + PLAYBACK_GUARD_S
             full = any(feed._due(ready[id(feed)], horizon) for feed in live)
-        taken = [feed for feed in live if full or _urgent(feed, ready[id(feed)])]
-        self._put_off([] if full else [feed for feed in live if not _urgent(feed, ready[id(feed)])], ready)
+        urgent = {id(feed) for feed in live if not full and _urgent(feed, ready[id(feed)])}
+        taken = [feed for feed in live if full or id(feed) in urgent]
+        self._put_off([] if full else [feed for feed in live if id(feed) not in urgent], ready)
         if not taken:
             return False
         decodes = any(ready[id(feed)] for feed in taken)

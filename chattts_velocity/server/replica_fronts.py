@@ -43,7 +43,7 @@ from ..serving.engine_process.remote import RemoteClient
 from ..serving.voices import Voice
 from .app import build_app
 from .metrics import labelled
-from .run import _admission, _die_with_parent, _server
+from .run import _admission, _die_with_parent, _run_front, _server
 from .settings import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class ReplicaFronts:
         ``peers``); ``log``: where the replica's side logs."""
         ctx = mp.get_context("spawn")
         self.log = log
-        self.desk, self.config = desk, config
+        self.desk = desk
         self.counts = counts  # alive while the fronts start: each maps it from this process
         self.draining = ctx.Event()
         self.fronts: list[tuple[mp.Process, object, object]] = []  # process, its desk's end, its socket's end
@@ -348,7 +348,6 @@ def front_main(ends: FrontEnds, index: int, counts, config: ServerConfig, replic
     threading.Thread(target=follow_drain, name="replica-drain", daemon=True).start()
     freeze_long_lived()
     server = _server(app, config, None, None, log_level, ignore_sigint=True)
-    client.on_lost = server.engine_lost
     if not sock_conn.recv():  # the replica found no socket to share
         client.close()
         sys.exit(0)
@@ -361,8 +360,4 @@ def front_main(ends: FrontEnds, index: int, counts, config: ServerConfig, replic
             sock_conn.send(ACCEPTING)
 
     threading.Thread(target=tell_accepting, name="replica-accepting", daemon=True).start()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        client.close()
-    sys.exit(server.exit_code)
+    _run_front(server, client, sock)

@@ -303,9 +303,15 @@ def _front_main(ends: FrontEnds, index: int, counts, config: ServerConfig, host:
     app = build_app(client, config, _admission(config, counts, index))
     freeze_long_lived()
     server = _server(app, config, None, None, log_level, ignore_sigint=True)
+    _run_front(server, client, _listen(host, port))
+
+
+def _run_front(server: _DrainingServer, client: RemoteClient, sock: socket.socket) -> None:
+    """A front process's server on ``sock`` until it stops; then leave the engine process and exit with the
+    server's code (1 once the engine is gone)."""
     client.on_lost = server.engine_lost
     try:
-        server.run(sockets=[_listen(host, port)])
+        server.run(sockets=[sock])
     finally:
         client.close()
     sys.exit(server.exit_code)
