@@ -280,6 +280,51 @@ def test_pipelined_decode_windows_match_single_steps(chat, make_engine):
             torch.testing.assert_close(a.hidden_states, other.hidden_states, atol=1e-5, rtol=1e-5)
 
 
+def test_a_request_arriving_during_a_window_waits_for_that_window_only(chat, make_engine):
+    """With ``LLMEngine.arrivals`` (set by the async engine), the batch's next window is queued only after the
+    running one ended and ``arrivals`` found nobody new: a request that arrived during the first window runs its
+    prompt step right after it. Without the hook the next window was queued as the first one started, and the
+    same arrival (taken at the next step) waits for it too. The tokens are those of one-step scheduling."""
+    texts, ps = ["already running", "arrives mid-window"], [sampled(7, min_new_tokens=30, max_new_tokens=30),
+                                                             sampled(8, min_new_tokens=6, max_new_tokens=6)]
+
+    def generate(window: int, hook: bool) -> tuple[list, list]:
+        engine = make_engine(num_decode_steps=window, first_window_tokens=0, pipeline_decode=window > 1)
+        events = []
+        record_windows(engine, lambda w, continuing: events.append("queued" if continuing else "window"))
+        forward = engine.runner.forward
+        engine.runner.forward = lambda scheduled: (events.append("prompt"), forward(scheduled))[1]
+
+        def arrive() -> None:
+            engine.add_request("b", code_prompt(chat, texts[1]), ps[1])
+            events.append("arrived")
+
+        def arrivals() -> bool:  # called when a window ended, before the next one is queued
+            if "arrived" not in events:
+                arrive()
+                return True
+            return False
+
+        engine.arrivals = arrivals if hook else None
+        engine.add_request("a", code_prompt(chat, texts[0]), ps[0])
+        done = {}
+        while engine.has_unfinished_requests():
+            if not hook and events.count("window") == 1 and "arrived" not in events:  # the first window ran
+                arrive()  # what the async engine hands over at the next step
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return [done["a"], done["b"]], events
+
+    single, _ = generate(1, hook=False)
+    late, events = generate(4, hook=True)
+    early, early_events = generate(4, hook=False)
+    assert events[:4] == ["prompt", "window", "arrived", "prompt"], events
+    assert early_events[:5] == ["prompt", "window", "queued", "arrived", "prompt"], early_events
+    for a, b, c in zip(single, late, early, strict=True):
+        assert a.num_generated == b.num_generated > 1
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.token_ids, c.token_ids)
+        torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-5, rtol=1e-5)
+
+
 def test_a_step_launched_ahead_is_aborted_or_fails_like_any_step(chat, make_engine):
     """``launch_ahead`` launches only what leads to first audio (a prompt step, a short first window), not
     a full window; a request aborted while its prompt step was launched ahead frees its blocks; a launch

@@ -52,6 +52,7 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        engine.arrivals = self._take_pending
         self._lock = threading.Condition()
         self._new: list[tuple[Sequence, RequestStream]] = []
         self._aborts: list[str] = []
@@ -258,8 +259,11 @@ class AsyncLLMEngine:
             # request waits for the next step on its way to first audio (its prefill or first window)
             listener.wake(hurry=hurry)
 
-    def _take_pending(self) -> None:
-        """Hand the requests submitted and aborted since the last step to the engine."""
+    def _take_pending(self) -> bool:
+        """Hand the requests submitted and aborted since the last step to the engine; whether there were any
+        (``LLMEngine.arrivals``, which the engine calls between two decode windows)."""
+        if not (self._new or self._aborts):  # (read without the lock: a miss is taken at the next call)
+            return False
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
@@ -273,6 +277,7 @@ class AsyncLLMEngine:
             for t in asked:
                 if t is not None:
                     self._abort_wait.observe(now - t)
+        return bool(new or aborts)
 
     def _fail_all(self, err: Exception) -> list[RequestOutput]:
         outputs = []

@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,13 @@ class LLMEngine:
         reads."""
         self._ahead_failure: Exception | None = None
         """What ``launch_ahead`` raised: the next ``step`` reports it as its own."""
+        self.arrivals: Callable[[], bool] | None = None
+        """Set by the engine's owner (``AsyncLLMEngine``): hands the requests submitted or aborted since it was
+        last called to this engine, on the engine's thread, and says whether there were any. With it, the
+        batch's next window is queued once the running one has ended and nobody new came during it, so a
+        request that arrives during a window waits for that window only, not for one queued behind it too (the
+        device waits meanwhile for the next window's launch, a graph replay). None: queued at once (offline
+        use: nobody arrives)."""
         self._ids = itertools.count()
         dev = self.runner.device
         self._report_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
@@ -287,10 +295,15 @@ class LLMEngine:
         """Queue the same batch's next window behind ``window`` when the scheduler grants it
         (``Scheduler.continue_window``: nothing can change the batch before it, and it reserved the blocks).
         A sequence that ends by EOS inside ``window`` computes the queued window in vain; its tokens are
-        dropped and the pipeline stops there."""
+        dropped and the pipeline stops there. With ``arrivals``, queued only after ``window`` ended, if nobody
+        arrived meanwhile."""
         if not self._pipeline:
             return None
         steps = self.scheduler.continue_window(window.seqs, window.num_steps)
+        if steps and self.arrivals is not None:  # its blocks stay reserved if an arrival changes the batch
+            self.runner.wait(window)
+            if self.arrivals():
+                return None
         return self.runner.launch_next(window, steps) if steps else None
 
     def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:

@@ -137,10 +137,14 @@ class ModelRunner:
             done.record()
         return LaunchedStep(seqs, k, hidden, host, done, decode)
 
-    def collect(self, step: LaunchedStep) -> list[list[tuple[int, ...]]]:
-        """Wait for ``step``; tokens[i][j] of sequence i at step j (hidden states: ``step.hidden``)."""
+    def wait(self, step: LaunchedStep) -> None:
+        """Wait until the device has computed ``step`` (and copied its tokens to the host)."""
         if step.done is not None:
             step.done.synchronize()
+
+    def collect(self, step: LaunchedStep) -> list[list[tuple[int, ...]]]:
+        """Wait for ``step``; tokens[i][j] of sequence i at step j (hidden states: ``step.hidden``)."""
+        self.wait(step)
         # each sequence's codebook columns zipped into its tokens: zip builds the tuples in C, several times
         # faster than a tuple() per token
         return [list(zip(*columns, strict=True)) for columns in step.tokens.numpy().transpose(1, 2, 0).tolist()]
