@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from chattts_velocity.engine.model_runner import OpenWindow
 from chattts_velocity.engine.sampling_params import SamplingParams
 from chattts_velocity.engine.sequence import Sequence
 
@@ -21,9 +22,9 @@ def make_seq(num_tokens: int, first: int = 0, speaker_key: bytes = b"", max_new:
 
 def record_windows(engine, record) -> None:
     """Call ``record(window, continuing)`` for every decode window ``engine`` launches (``continuing``: queued
-    behind the batch's previous window by ``ModelRunner.launch_next``)."""
+    behind the batch's previous window by ``ModelRunner.launch_next``); an ``OpenWindow`` when it is opened."""
     runner = engine.runner
-    launch, launch_next = runner.launch, runner.launch_next
+    launch, launch_next, open_window = runner.launch, runner.launch_next, runner.open
 
     def first(plan):
         window = launch(plan)
@@ -31,9 +32,15 @@ def record_windows(engine, record) -> None:
             record(window, False)
         return window
 
-    def following(window, num_steps):
-        queued = launch_next(window, num_steps)
+    def opened(plan, lead):
+        window = open_window(plan, lead)  # launched whole (through ``first``) or open
+        if isinstance(window, OpenWindow):
+            record(window, False)
+        return window
+
+    def following(window, num_steps, lead=None):
+        queued = launch_next(window, num_steps, lead)
         record(queued, True)
         return queued
 
-    runner.launch, runner.launch_next = first, following
+    runner.launch, runner.launch_next, runner.open = first, following, opened

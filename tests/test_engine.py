@@ -325,6 +325,62 @@ def test_a_request_arriving_during_a_window_waits_for_that_window_only(chat, mak
         torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-5, rtol=1e-5)
 
 
+def test_an_arrival_ends_a_full_window_after_the_steps_queued_ahead(chat, make_engine):
+    """``EngineConfig.window_lookahead``: with ``arrivals`` set, a full window is queued a few steps ahead of the
+    device and a request that arrives during it ends it there (its blocks for the rest stay reserved); a window
+    bringing a sequence to its first audio runs whole even when a request arrives. The tokens are those of
+    one-step scheduling."""
+    texts = ["running for a while", "arrives in a full window", "arrives in a first window"]
+    ps = [sampled(11, min_new_tokens=30, max_new_tokens=30), sampled(12, min_new_tokens=12, max_new_tokens=12),
+          sampled(13, min_new_tokens=6, max_new_tokens=6)]
+
+    def generate(window: int, lookahead: int | None) -> tuple[list, list]:
+        engine = make_engine(num_decode_steps=window, first_window_tokens=6, pipeline_decode=window > 1,
+                             window_lookahead=lookahead)
+        collected = []
+        collect = engine.runner.collect
+        engine.runner.collect = lambda w: (collected.append((w.decode, w.num_steps)), collect(w))[1]
+        seqs = {}
+
+        def add(i: int) -> None:
+            engine.add_request(f"r{i}", code_prompt(chat, texts[i]), ps[i])
+            seqs[i] = engine.requests[f"r{i}"]
+
+        def arrivals() -> bool:
+            if 1 not in seqs and seqs[0].num_generated >= 6:  # a full window of r0
+                add(1)
+                return True
+            if 1 in seqs and 2 not in seqs and seqs[1].num_generated >= 1:  # r1's first window
+                add(2)
+                return True
+            return False
+
+        engine.arrivals = arrivals if window > 1 else None
+        add(0)
+        done = {}
+        while engine.has_unfinished_requests():
+            if window == 1 and 1 not in seqs and seqs[0].num_generated >= 8:  # the reference, one step at a time
+                add(1)
+            elif lookahead is None and 1 in seqs and 2 not in seqs and seqs[1].num_generated >= 1:
+                add(2)  # (whole windows: no call of ``arrivals`` between r1's windows)
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return [done[f"r{i}"] for i in range(3)], collected
+
+    single, _ = generate(1, None)
+    cut, windows = generate(8, lookahead=2)
+    whole, whole_windows = generate(8, lookahead=None)
+    # r0: its prompt, its first window (5), a full window ended after 2 steps by r1; r1's prompt, then the
+    # first window of both (5 steps), whole although r2 arrived during it
+    assert windows[:5] == [(False, 1), (True, 5), (True, 2), (False, 1), (True, 5)], windows
+    assert whole_windows[:3] == [(False, 1), (True, 5), (True, 8)], whole_windows
+    for a, b, c in zip(single, cut, whole, strict=True):
+        assert a.num_generated == b.num_generated == c.num_generated
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.token_ids, c.token_ids)
+        torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="window_lookahead"):
+        make_engine(window_lookahead=0)
+
+
 def test_a_step_launched_ahead_is_aborted_or_fails_like_any_step(chat, make_engine):
     """``launch_ahead`` launches only what leads to first audio (a prompt step, a short first window), not
     a full window; a request aborted while its prompt step was launched ahead frees its blocks; a launch

@@ -137,3 +137,47 @@ def test_gpu_engine_equals_reference_under_argmax(model):
     ref = list(reference_generate(model.gpt, ids[None].cuda(), torch.ones(1, 80, dtype=torch.int64, device="cuda"),
                                   mask[None].cuda(), settings))[-1]
     assert torch.equal(out.token_ids, ref.ids[0].cpu())
+
+
+def test_an_arrival_ends_an_open_window_on_cuda(model):
+    """On CUDA (graph replays queued a few steps ahead of the device, one event a step): requests handed over
+    through ``arrivals`` during full windows end them early and run their prompt step next; under argmax in
+    fp32 every request's tokens equal those of whole windows, where the same requests join later."""
+    prompts = [Prompt(*teacher_forcing_inputs(model, length=60 + 20 * i, seed=20 + i)) for i in range(3)]
+    params = [SamplingParams(temperature=(1e-4,), seed=i, min_new_tokens=90, max_new_tokens=90) for i in range(3)]
+
+    def generate(lookahead):
+        engine = LLMEngine.from_model(model, EngineConfig(dtype="float32", max_num_seqs=4, kv_cache_gib=1,
+                                                          window_lookahead=lookahead, pipeline_decode=True), "cuda")
+        steps, calls = [], []
+        collect = engine.runner.collect
+        engine.runner.collect = lambda w: (steps.append((w.decode, w.num_steps)), collect(w))[1]
+
+        at = (20, 60) if lookahead else (1, 2)  # whole windows ask only between two of them
+
+        def arrivals() -> bool:  # r1 and r2 arrive at these calls
+            calls.append(None)
+            if len(calls) in at:
+                i = 1 + at.index(len(calls))
+                engine.add_request(f"r{i}", prompts[i], params[i])
+                return True
+            return False
+
+        engine.arrivals = arrivals
+        engine.add_request("r0", prompts[0], params[0])
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        return [done[f"r{i}"] for i in range(3)], steps
+
+    cut, steps = generate(4)
+    whole, whole_steps = generate(None)
+    full = EngineConfig().num_decode_steps
+    before_prompts = [steps[i - 1] for i in range(1, len(steps)) if steps[i] == (False, 1)]
+    assert len(before_prompts) == 2 and all(d and 4 <= k < full for d, k in before_prompts), steps
+    assert all(k == full for _, k in (whole_steps[i - 1] for i in range(1, len(whole_steps))
+                                      if whole_steps[i] == (False, 1))), whole_steps
+    for a, b in zip(cut, whole, strict=True):
+        assert a.num_generated == b.num_generated == 90
+        assert torch.equal(a.token_ids, b.token_ids), "an open window changed the tokens"

@@ -67,6 +67,11 @@ class EngineConfig:
     """Queue the next decode window before reading the current one's tokens while the batch cannot change, so
     host work overlaps the device's. None: on CUDA only (on CPU the window runs inside the launch, so it would
     only delay each report by a window)."""
+    window_lookahead: int | None = 4
+    """Where requests arrive while the engine runs (``AsyncLLMEngine``), a full decode window is queued this
+    many steps ahead of the device rather than all at once, and a request that arrives during it ends it there:
+    its prompt step waits for at most these steps, not for the rest of the window. A window that brings a
+    sequence to its first audio runs whole. None: every window is queued whole."""
     enforce_eager: bool = False
     """Never use CUDA graphs (they are used on CUDA for the multi-step decode and the padded prefill steps
     otherwise)."""
@@ -78,6 +83,8 @@ class EngineConfig:
         _positive("num_decode_steps", self.num_decode_steps)
         if self.max_window_tokens is not None:
             _positive("max_window_tokens", self.max_window_tokens)
+        if self.window_lookahead is not None:
+            _positive("window_lookahead", self.window_lookahead)
         if not isinstance(self.first_window_tokens, int) or self.first_window_tokens < 0:
             raise ValueError(f"first_window_tokens must be an int >= 0, got {self.first_window_tokens!r}")
         if self.num_kv_blocks is not None:

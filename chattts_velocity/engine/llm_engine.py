@@ -20,7 +20,7 @@ import torch
 
 from .block_manager import BlockSpaceManager
 from .engine_config import EngineConfig
-from .model_runner import LaunchedStep, ModelRunner
+from .model_runner import LaunchedStep, ModelRunner, OpenWindow
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence
@@ -75,7 +75,7 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         pipeline = config.pipeline_decode
         self._pipeline = cuda if pipeline is None else pipeline
-        self._window: LaunchedStep | None = None
+        self._window: LaunchedStep | OpenWindow | None = None
         """A decode window queued on the device (or a step launched ahead) whose tokens the next ``step``
         reads."""
         self._ahead_failure: Exception | None = None
@@ -87,6 +87,10 @@ class LLMEngine:
         request that arrives during a window waits for that window only, not for one queued behind it too (the
         device waits meanwhile for the next window's launch, a graph replay). None: queued at once (offline
         use: nobody arrives)."""
+        self._num_added = 0
+        """Sequences added so far: a window open since fewer were added ends early (``_run_step``)."""
+        self._open_mark = 0
+        """``_num_added`` when the open window (an ``OpenWindow``) was launched."""
         self._ids = itertools.count()
         dev = self.runner.device
         self._report_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
@@ -129,6 +133,7 @@ class LLMEngine:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
+        self._num_added += 1
 
     def _sequence(self, seq_id, request_id, tokens, is_text, speaker, params, seed) -> Sequence:
         capacity = self.kv_capacity
@@ -215,14 +220,18 @@ class LLMEngine:
             return True
         return self._window is not None
 
-    def _launch(self) -> LaunchedStep | None:
-        """Schedule a step and launch it (None: nothing to run)."""
+    def _launch(self, open_window: bool = False) -> LaunchedStep | OpenWindow | None:
+        """Schedule a step and launch it (None: nothing to run); ``open_window``: a full decode window as an
+        ``OpenWindow`` (``EngineConfig.window_lookahead``)."""
         self._batch = []
         plan = self.scheduler.schedule()
         self._batch = [item.seq for item in plan.scheduled]
         if not plan.scheduled:
             return None
         self._count(plan)
+        if open_window and plan.decode and not self._first_window(plan.scheduled):
+            self._open_mark = self._num_added
+            return self.runner.open(plan, self.config.window_lookahead)
         window = self.runner.launch(plan)
         if not window.decode:  # a decode's one token is counted with its sample (``Scheduler.accept``)
             self.scheduler.computed(plan.scheduled)
@@ -237,12 +246,15 @@ class LLMEngine:
             raise err
         window, self._window = self._window, None
         if window is None:
-            window = self._launch()
+            window = self._launch(open_window=self._opens_windows)
             if window is None:
                 return []
         else:
             self._batch = list(window.seqs)
-        if window.decode:
+        cut = False
+        if isinstance(window, OpenWindow):
+            window, cut = self.runner.close(window, self._arrived, self.config.window_lookahead)
+        if window.decode and not cut:
             self._window = self._continue(window)
         tokens = self.runner.collect(window)
         sampled = []
@@ -291,7 +303,25 @@ class LLMEngine:
                            kv_blocks_used=bm.num_blocks - bm.num_free_blocks, kv_blocks_total=bm.num_blocks,
                            num_preemptions=sched.num_preemptions, **self._totals)
 
-    def _continue(self, window: LaunchedStep) -> LaunchedStep | None:
+    @property
+    def _opens_windows(self) -> bool:
+        """Whether full decode windows run as ``OpenWindow``s: requests arrive while the engine runs
+        (``arrivals``), windows are pipelined, and ``EngineConfig.window_lookahead`` is set."""
+        return self.arrivals is not None and self._pipeline and self.config.window_lookahead is not None
+
+    def _first_window(self, scheduled) -> bool:
+        """A window that brings an audio sequence to its first audio (``first_window_tokens``): it runs whole."""
+        first = self.config.first_window_tokens
+        return any(not item.seq.text_mode and item.seq.num_generated < first for item in scheduled)
+
+    def _arrived(self) -> bool:
+        """Whether the open window should end now: a request arrived since it was launched (``arrivals``, asked
+        here) and the scheduler has room for it."""
+        self.arrivals()
+        sched = self.scheduler
+        return self._num_added != self._open_mark and len(sched.running) < sched.max_num_seqs
+
+    def _continue(self, window: LaunchedStep) -> LaunchedStep | OpenWindow | None:
         """Queue the same batch's next window behind ``window`` when the scheduler grants it
         (``Scheduler.continue_window``: nothing can change the batch before it, and it reserved the blocks).
         A sequence that ends by EOS inside ``window`` computes the queued window in vain; its tokens are
@@ -304,7 +334,12 @@ class LLMEngine:
             self.runner.wait(window)
             if self.arrivals():
                 return None
-        return self.runner.launch_next(window, steps) if steps else None
+        if not steps:
+            return None
+        if self._opens_windows:  # enough steps queued to cover the report and the audio round before ``close``
+            self._open_mark = self._num_added
+            return self.runner.launch_next(window, steps, lead=2 * self.config.window_lookahead)
+        return self.runner.launch_next(window, steps)
 
     def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:
         """Hand sampled tokens to the scheduler (which owns the sequence's state: ``Scheduler.accept``); keep the

@@ -15,6 +15,7 @@ tokens come back the same way.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,26 @@ class LaunchedStep:
     """A decode window (``launch_next`` may queue the batch's next one behind it)."""
 
 
+@dataclass
+class OpenWindow:
+    """A decode window queued a few steps at a time (``ModelRunner.open``); ``ModelRunner.close`` queues the
+    rest, or ends it early, and gives the ``LaunchedStep``."""
+
+    seqs: list[Sequence]
+    planned: int
+    """Steps the scheduler granted it (the blocks it reserved)."""
+    queued: int
+    """Steps queued so far."""
+    events: list[torch.cuda.Event]
+    """One recorded after each queued step (CUDA; empty on the CPU, where a step runs as it is queued)."""
+    decode: bool = True
+
+    @property
+    def num_steps(self) -> int:
+        """The steps planned (it may end before them)."""
+        return self.planned
+
+
 class ModelRunner:
     def __init__(self, gpt, config: EngineConfig, spk_emb_id: int, text_eos_id: int, device: torch.device):
         gcfg = gpt.config
@@ -92,6 +113,8 @@ class ModelRunner:
         self._host_tokens = [torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
                              for _ in range(2)]
         self._next_host = 0
+        self._step_events = [torch.cuda.Event() for _ in range(max_steps)] if device.type == "cuda" else []
+        """Recorded after each step of an ``OpenWindow`` (one window is open at a time)."""
 
     def prefill_limits(self) -> tuple[int | None, int | None]:
         """Most sequences and tokens of a step the padded prefill (a CUDA graph) takes; (None, None) on CPU."""
@@ -120,10 +143,48 @@ class ModelRunner:
         return self._launched(seqs, hidden[None], tokens[None], decode=False)
 
     @torch.inference_mode()
-    def launch_next(self, step: LaunchedStep, num_steps: int) -> LaunchedStep:
+    def launch_next(self, step: LaunchedStep, num_steps: int, lead: int | None = None) -> LaunchedStep | OpenWindow:
         """Queue the next window of ``step``'s batch behind it, before its tokens are read: the decoder's
-        device state already holds this window's inputs (``MultiStepDecoder.run``, ``continuing``)."""
+        device state already holds this window's inputs (``MultiStepDecoder.run``, ``continuing``).
+        ``lead``: only its first ``lead`` steps, as ``open`` does."""
+        if lead is not None and lead < num_steps:
+            return self._open(step.seqs, num_steps, lead, continuing=True)
         return self._launched(step.seqs, *self.decoder.run(step.seqs, num_steps, continuing=True), decode=True)
+
+    def open(self, plan: SchedulerOutput, lead: int) -> LaunchedStep | OpenWindow:
+        """Like ``launch`` for a decode window, but queue only its first ``lead`` steps: ``close`` queues the
+        rest a few at a time and may end it before them, when a request arrives."""
+        if not plan.decode or plan.num_steps <= lead:
+            return self.launch(plan)
+        return self._open([item.seq for item in plan.scheduled], plan.num_steps, lead, continuing=False)
+
+    def _open(self, seqs: list[Sequence], planned: int, lead: int, continuing: bool) -> OpenWindow:
+        self.decoder.begin(seqs, continuing)
+        window = OpenWindow(seqs, planned, 0, [])
+        self._queue(window, lead)
+        return window
+
+    def _queue(self, window: OpenWindow, num_steps: int) -> None:
+        for _ in range(num_steps):
+            self.decoder.advance(1)
+            if self.device.type == "cuda":
+                event = self._step_events[window.queued]
+                event.record()
+                window.events.append(event)
+            window.queued += 1
+
+    def close(self, window: OpenWindow, stop: Callable[[], bool], ahead: int) -> tuple[LaunchedStep, bool]:
+        """Queue ``window``'s remaining steps, keeping at most ``ahead`` of them queued beyond the device's
+        progress and asking ``stop()`` before each; when it says so, the window ends at the steps queued (its
+        sequences keep the blocks reserved for the rest). The step to collect, and whether it ended early."""
+        while window.queued < window.planned:
+            if window.events and window.queued >= ahead:
+                window.events[window.queued - ahead].synchronize()
+            if stop():
+                break
+            self._queue(window, 1)
+        cut = window.queued < window.planned
+        return self._launched(window.seqs, *self.decoder.outputs(window.queued), decode=True), cut
 
     def _launched(self, seqs: list[Sequence], hidden: Tensor, tokens: Tensor, decode: bool) -> LaunchedStep:
         """``tokens`` [K, n, Q] on their way to a host buffer (not waited for) and ``hidden`` [K, n, H]."""

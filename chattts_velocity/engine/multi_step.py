@@ -68,6 +68,8 @@ class MultiStepDecoder:
         self._host_tables = [torch.zeros(max_batch, width, dtype=torch.int32, pin_memory=device.type == "cuda")
                              for _ in range(2)]
         self._next_table = 0
+        self._window: tuple[int, int, bool] = (0, 0, False)
+        """The loaded window's batch bucket, sequences and mode (``begin``)."""
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         """The captured step of each (batch bucket, text mode)."""
         self._code_table, self._code_offsets = codes  # ``Embed.fuse_code_tables``': [Q * V, H], [Q]
@@ -133,6 +135,8 @@ class MultiStepDecoder:
         s, q = self.state, self.num_vq
         rows = b if text else b * q
         p = s.params.rows(rows)
+        start = int(s.step_out)  # steps of this window already run (``advance`` in parts)
+        assert start + num_steps <= self.max_steps
         contexts = self.core.decode_window(*self._cpu_positions(b, num_steps), s.block_tables[:b], self.block_size)
         embed, width = self.gpt.embed, p.history.size(1)
         vocab = self.sampler.text_head.size(0) if text else self.sampler.code_head.size(0) // q
@@ -150,13 +154,13 @@ class MultiStepDecoder:
             flat = sample(logits_of(hidden), history[:, j : j + width], j)  # [R]
             history[:, width + j] = flat
             tok = flat[:, None].expand(b, q) if text else flat.view(b, q)
-            s.out_tokens[j, :b] = tok
-            s.out_hidden[j, :b] = hidden
+            s.out_tokens[start + j, :b] = tok
+            s.out_hidden[start + j, :b] = hidden
         s.tokens[:b] = tok
         p.history.copy_(history[:, num_steps:])
         p.step += num_steps
         s.positions[:b] += num_steps
-        s.step_out.fill_(num_steps)
+        s.step_out.fill_(start + num_steps)
 
     def _cpu_positions(self, b: int, num_steps: int) -> tuple[list[list[int]], list[list[int]]]:
         """Each step's rotary positions and KV slots (as ``_step`` computes them), from the device state."""
@@ -195,21 +199,41 @@ class MultiStepDecoder:
         until the next window), not waited for. ``continuing``: the same batch right after its previous
         window, whose device state (tokens, positions, penalty history, step counters) already holds this
         window's inputs; only the block tables are refreshed, so the window can be queued before the host has
-        read the previous one's tokens."""
-        assert 1 <= num_steps <= self.max_steps and len(seqs) <= self.buckets[-1]
+        read the previous one's tokens. ``begin``, ``advance`` and ``outputs`` do the same in parts: a window
+        queued a few steps at a time, which may end before the steps it reserved (``ModelRunner.open``)."""
+        self.begin(seqs, continuing)
+        self.advance(num_steps)
+        return self.outputs(num_steps)
+
+    @torch.inference_mode()
+    def begin(self, seqs: list[Sequence], continuing: bool = False) -> None:
+        """Load a window's batch (see ``run``); no step is queued yet."""
+        assert 1 <= len(seqs) <= self.buckets[-1]
         text = seqs[0].text_mode
-        b, n = self._bucket(len(seqs)), len(seqs)
+        b = self._bucket(len(seqs))
         if continuing:
             self._load_tables(seqs, b)
             self.state.step_out.zero_()
         else:
             self._load(seqs, b, 1 if text else self.num_vq)
-        graph = self.graphs.get((b, text))
+        self._window = (b, len(seqs), text)
+
+    @torch.inference_mode()
+    def advance(self, num_steps: int) -> None:
+        """Queue ``num_steps`` more steps of the window ``begin`` loaded (at most ``max_steps`` in all)."""
+        b, _, text = self._window
         if self.device.type == "cpu":
             self._run_cpu(b, num_steps, text)
-        else:
-            for _ in range(num_steps):
-                graph.replay() if graph is not None else self._step(b, text)
+            return
+        graph = self.graphs.get((b, text))
+        for _ in range(num_steps):
+            graph.replay() if graph is not None else self._step(b, text)
+
+    @torch.inference_mode()
+    def outputs(self, num_steps: int) -> tuple[Tensor, Tensor]:
+        """The window's first ``num_steps`` steps' hidden states and tokens (see ``run``)."""
+        assert 1 <= num_steps <= self.max_steps
+        n = self._window[1]
         # the hidden states' buffer is rewritten by the next window, which may be queued before these are read
         return self.state.out_hidden[:num_steps, :n].clone(), self.state.out_tokens[:num_steps, :n]
 
