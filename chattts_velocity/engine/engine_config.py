@@ -71,7 +71,11 @@ class EngineConfig:
     """Where requests arrive while the engine runs (``AsyncLLMEngine``), a full decode window is queued this
     many steps ahead of the device rather than all at once, and a request that arrives during it ends it there:
     its prompt step waits for at most these steps, not for the rest of the window. A window that brings a
-    sequence to its first audio runs whole. None: every window is queued whole."""
+    sequence to its first audio runs whole, and so does a batch of more than ``open_window_max_seqs``: there,
+    ending a window at each arrival (a prompt step and a first window each, where a whole window's end takes
+    several arrivals' prompts in one step) costs more than it saves. None: every window is queued whole."""
+    open_window_max_seqs: int = 16
+    """See ``window_lookahead``."""
     enforce_eager: bool = False
     """Never use CUDA graphs (they are used on CUDA for the multi-step decode and the padded prefill steps
     otherwise)."""
@@ -85,6 +89,7 @@ class EngineConfig:
             _positive("max_window_tokens", self.max_window_tokens)
         if self.window_lookahead is not None:
             _positive("window_lookahead", self.window_lookahead)
+        _positive("open_window_max_seqs", self.open_window_max_seqs)
         if not isinstance(self.first_window_tokens, int) or self.first_window_tokens < 0:
             raise ValueError(f"first_window_tokens must be an int >= 0, got {self.first_window_tokens!r}")
         if self.num_kv_blocks is not None:

@@ -229,7 +229,7 @@ class LLMEngine:
         if not plan.scheduled:
             return None
         self._count(plan)
-        if open_window and plan.decode and not self._first_window(plan.scheduled):
+        if open_window and plan.decode and self._may_cut(plan.scheduled):
             self._open_mark = self._num_added
             return self.runner.open(plan, self.config.window_lookahead)
         window = self.runner.launch(plan)
@@ -309,10 +309,12 @@ class LLMEngine:
         (``arrivals``), windows are pipelined, and ``EngineConfig.window_lookahead`` is set."""
         return self.arrivals is not None and self._pipeline and self.config.window_lookahead is not None
 
-    def _first_window(self, scheduled) -> bool:
-        """A window that brings an audio sequence to its first audio (``first_window_tokens``): it runs whole."""
+    def _may_cut(self, scheduled) -> bool:
+        """Whether a window may run open: neither a large batch nor one that brings an audio sequence to its
+        first audio (``first_window_tokens``), which run whole (``EngineConfig.window_lookahead``)."""
         first = self.config.first_window_tokens
-        return any(not item.seq.text_mode and item.seq.num_generated < first for item in scheduled)
+        return len(scheduled) <= self.config.open_window_max_seqs and not any(
+            not item.seq.text_mode and item.seq.num_generated < first for item in scheduled)
 
     def _arrived(self) -> bool:
         """Whether the open window should end now: a request arrived since it was launched (``arrivals``, asked
@@ -336,7 +338,8 @@ class LLMEngine:
                 return None
         if not steps:
             return None
-        if self._opens_windows:  # enough steps queued to cover the report and the audio round before ``close``
+        if self._opens_windows and len(window.seqs) <= self.config.open_window_max_seqs:
+            # enough steps queued to cover the report and the audio round before ``close``
             self._open_mark = self._num_added
             return self.runner.launch_next(window, steps, lead=2 * self.config.window_lookahead)
         return self.runner.launch_next(window, steps)
