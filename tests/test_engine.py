@@ -381,6 +381,21 @@ def test_an_arrival_ends_a_full_window_after_the_steps_queued_ahead(chat, make_e
         make_engine(window_lookahead=0)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_windows_run_open_only_up_to_open_window_max_seqs(chat, make_engine, batch):
+    """A batch of more than ``open_window_max_seqs`` sequences runs whole windows (an arrival would end each)."""
+    engine = make_engine(num_decode_steps=8, first_window_tokens=0, pipeline_decode=True, window_lookahead=2,
+                         open_window_max_seqs=1)
+    kinds = []
+    record_windows(engine, lambda w, continuing: kinds.append(type(w).__name__))
+    engine.arrivals = lambda: False
+    for i in range(batch):
+        engine.add_request(f"r{i}", code_prompt(chat, f"batch of {batch}"), params(min_new_tokens=20, max_new_tokens=20))
+    finals = [out for out in iter_steps(engine) if out.finished]
+    assert [out.num_generated for out in finals] == [20] * batch
+    assert ("OpenWindow" in kinds) == (batch == 1) and "LaunchedStep" in kinds, kinds
+
+
 def test_a_step_launched_ahead_is_aborted_or_fails_like_any_step(chat, make_engine):
     """``launch_ahead`` launches only what leads to first audio (a prompt step, a short first window), not
     a full window; a request aborted while its prompt step was launched ahead frees its blocks; a launch
