@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -241,6 +242,26 @@ def test_the_engine_times_its_aborts_and_its_loop(chat, make_async):
     before = turns.count
     list(engine.add_request(code_prompt(chat, "after"), seeded(1, 8)))
     assert stats.loop_time.count == before < engine.stats().engine.loop_time.count
+
+
+def test_the_engine_times_first_tokens_and_first_audio(chat, make_async):
+    """``stats()`` splits a request's way to first audio: submitted → first token (every request), first token →
+    first audio (a request whose audio was marked, as the audio pump does); a request that ends without audio
+    is forgotten, not timed."""
+    engine = make_async(num_decode_steps=4)
+    stream = engine.add_request(code_prompt(chat, "heard"), seeded(0, 200, min_new=200), request_id="a")
+    first = next(stream)
+    time.sleep(0.01)
+    stream.mark_first_audio("a")  # as the pump does for a streamed request
+    list(stream)
+    list(engine.add_request(code_prompt(chat, "never heard"), seeded(1, 8, min_new=8), request_id="b"))
+    assert engine.wait_idle(30) and first.num_generated >= 1
+    stats = engine.stats()
+    tokens, audio = stats.engine.first_token_wait, stats.engine.first_audio_wait
+    times = stats.requests["a"]
+    assert tokens.count == 2 and sum(tokens.counts) == 2 and tokens.total_s > 0
+    assert audio.count == 1 and audio.total_s == pytest.approx(times.first_audio - times.first_token)
+    assert audio.total_s >= 0.01 and not engine._young
 
 
 def test_shutdown_drains_or_aborts(chat, make_async):

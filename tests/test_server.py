@@ -197,6 +197,9 @@ def test_models_health_and_metrics(server):
     # the engine thread times its own turns (the engine process's too: they cross the pipe with its stats)
     assert metric(server.url, "chattts_engine_loop_seconds_count") > 0
     assert metric(server.url, "chattts_engine_loop_seconds_sum") > 0
+    # and splits a request's first audio into its wait for a first token and from there to audio
+    for name in ("chattts_engine_first_token_seconds", "chattts_engine_first_audio_seconds"):
+        assert metric(server.url, name + "_count") > 0 and metric(server.url, name + "_sum") > 0, name
 
 
 def test_metrics_time_the_garbage_collections(server, client):

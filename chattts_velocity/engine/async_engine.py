@@ -71,6 +71,10 @@ class AsyncLLMEngine:
         self._abort_asked: dict[str, float] = {}  # request id -> when its abort was asked
         self._abort_wait = Timings()
         self._loop_time = Timings()
+        self._first_token_wait = Timings()
+        self._first_audio_wait = Timings()
+        self._young: dict[str, RequestTimes] = {}
+        """Requests with a first token and no first audio yet (engine thread): ``_first_audio_wait``."""
         _ENGINES.add(self)
 
     @property
@@ -157,7 +161,9 @@ class AsyncLLMEngine:
             requests = dict(self._recent)
             for rid, stream in self._streams.items():
                 requests[rid] = stream.times[rid]
-            engine = replace(self._stats, abort_wait=self._abort_wait.copy(), loop_time=self._loop_time.copy())
+            engine = replace(self._stats, abort_wait=self._abort_wait.copy(), loop_time=self._loop_time.copy(),
+                             first_token_wait=self._first_token_wait.copy(),
+                             first_audio_wait=self._first_audio_wait.copy())
             return AsyncStats(engine=engine, num_requests=self._num_requests, requests=requests)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -244,7 +250,12 @@ class AsyncLLMEngine:
                     self._recent.append((out.request_id, stream.times[out.request_id]))
         for out, stream in zip(outputs, streams, strict=True):
             if stream is not None:
+                times = stream.times[out.request_id]
+                first = times.first_token is None
                 stream.deliver(out, now)
+                if first and times.first_token is not None:
+                    self._first_token_wait.observe(times.first_token - times.queued)
+                    self._young[out.request_id] = times
         listeners = {id(s.listener): s.listener for s in streams if s is not None and s.listener}
         hurry = False
         if listeners:  # the next step, if it leads to first audio, computes on the device during the round
@@ -258,6 +269,18 @@ class AsyncLLMEngine:
             # once per step: the audio of every stream of this step is decoded in one round, a short one while a
             # request waits for the next step on its way to first audio (its prefill or first window)
             listener.wake(hurry=hurry)
+        if self._young:
+            self._heard([out.request_id for out in outputs if out.finished])
+
+    def _heard(self, finished: list[str]) -> None:
+        """Time the first audio of the young requests that have it now; forget the finished ones without (text
+        requests, or audio decoded whole at the end)."""
+        heard = [(rid, t) for rid, t in self._young.items() if t.first_audio is not None]
+        for rid, times in heard:
+            del self._young[rid]
+            self._first_audio_wait.observe(times.first_audio - times.first_token)
+        for rid in finished:
+            self._young.pop(rid, None)
 
     def _take_pending(self) -> bool:
         """Hand the requests submitted and aborted since the last step to the engine; whether there were any

@@ -53,6 +53,12 @@ class EngineStats:
     loop_time: Timings | None = None
     """One turn of ``AsyncLLMEngine``'s loop: a step and the audio round after it (set likewise); an abort
     waits at most the turn it arrives in."""
+    first_token_wait: Timings | None = None
+    """A request, from submitted to its first token reported: the wait for the step or window running when it
+    came, and its prompt step (set likewise)."""
+    first_audio_wait: Timings | None = None
+    """A streamed request, from its first token to its first audio: its first window and the audio round that
+    decodes it (set likewise)."""
 
 
 class LLMEngine:

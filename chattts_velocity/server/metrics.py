@@ -1,7 +1,8 @@
 """Prometheus metrics of the speech server (``GET /metrics``): requests by route and status, the admission
 queue, the realtime sockets and their contexts, the engine's load (sequences waiting and running, KV blocks in
-use, preemptions, tokens) from its stats at scrape time, and histograms of time to first audio and real-time
-factor. A front of a shared engine (``serve --fronts``) adds the other fronts' request series to its own; a Ray
+use, preemptions, tokens) from its stats at scrape time, histograms of time to first audio and real-time
+factor, and the engine thread's own (its turns, aborts, and a request's way to its first token and from there to
+its first audio). A front of a shared engine (``serve --fronts``) adds the other fronts' request series to its own; a Ray
 Serve replica labels its series with its replica and shows every other replica's beside them (``cluster.py``)."""
 
 from __future__ import annotations
@@ -101,20 +102,28 @@ class Metrics:
 
 
 class _EngineTimings:
-    """The engine thread's own histograms (``EngineStats.abort_wait``, ``loop_time``), as of the latest stats:
+    """The engine thread's own histograms (``EngineStats.abort_wait``, ``loop_time``, ``first_token_wait``,
+    ``first_audio_wait``), as of the latest stats:
     the same from every front of one engine, so never summed across fronts (``Metrics.own`` leaves them out)."""
 
-    NAMES = ("chattts_engine_abort_wait_seconds", "chattts_engine_loop_seconds")
+    NAMES = ("chattts_engine_abort_wait_seconds", "chattts_engine_loop_seconds",
+             "chattts_engine_first_token_seconds", "chattts_engine_first_audio_seconds")
+    DOCS = ("an abort, from asked to its KV blocks freed",
+            "one turn of the engine thread: a step and the audio round after it (an abort waits at most the "
+            "turn it arrives in)",
+            "a request, from submitted to the engine to its first token: the wait for the step running when it "
+            "came, and its prompt step",
+            "a streamed request, from its first token to its first audio: its first window and the audio round "
+            "that decodes it")
+    FIELDS = ("abort_wait", "loop_time", "first_token_wait", "first_audio_wait")
 
     def __init__(self):
         self.stats = None
 
     def collect(self):
         stats = self.stats
-        docs = ("an abort, from asked to its KV blocks freed", "one turn of the engine thread: a step and the "
-                "audio round after it (an abort waits at most the turn it arrives in)")
-        for name, doc, timings in zip(self.NAMES, docs, (getattr(stats, "abort_wait", None),
-                                                         getattr(stats, "loop_time", None)), strict=True):
+        for name, doc, attr in zip(self.NAMES, self.DOCS, self.FIELDS, strict=True):
+            timings = getattr(stats, attr, None)
             if timings is not None:
                 yield HistogramMetricFamily(name, doc, buckets=timings.cumulative(), sum_value=timings.total_s)
 
