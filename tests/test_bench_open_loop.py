@@ -113,6 +113,10 @@ def test_every_arrival_is_sent_and_counted(report):
         assert 0 <= r["start_delay_p50_ms"] <= r["start_delay_p95_ms"] and 0 <= r["underruns"] <= r["completed"]
         per_request = r["audio_s_per_s"] / r["achieved_rate"]  # every request has the same length of audio
         assert (TOKENS - 2) * 512 / 24000 <= per_request <= TOKENS * 512 / 24000
+        # the server's own means over the rate: its engine's two parts of first audio, and the whole
+        means = r["server_mean_ms"]
+        assert set(means) == {"to_first_token", "to_first_audio", "first_audio"}, means
+        assert all(0 < v < 1e4 for v in means.values()), means
 
 
 def test_report_has_the_sustained_rate_and_is_written(report, capsys):
@@ -120,7 +124,7 @@ def test_report_has_the_sustained_rate_and_is_written(report, capsys):
     with open(path) as f:
         assert json.load(f) == json.loads(json.dumps(data))
     assert data["sustained_rate"] == sustained_rate(data["rows"], 150.0)
-    assert {"underruns", "start_delay_*_ms", "sustained_rate"} <= data["definitions"].keys()
+    assert {"underruns", "start_delay_*_ms", "sustained_rate", "server_mean_ms"} <= data["definitions"].keys()
     assert data["config"]["rates"] == RATES and "api_key" not in data["config"]
 
 
@@ -140,7 +144,8 @@ def test_the_command_line_runs_the_open_loop(server, tmp_path, capsys):
                  "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["config"]["rates"] == [2.0] and data["rows"][0]["arrivals"] == data["rows"][0]["completed"]
-    assert "sustained rate" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "sustained rate" in out and "server side, mean ms" in out and "2 req/s: " in out
     assert main(["bench", "--rates", "5"]) == 2
     assert "--rates drives a running server" in capsys.readouterr().err
 
@@ -208,3 +213,16 @@ def test_no_server_fails_before_the_run(tmp_path):
 def test_bad_settings_say_what_to_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         OpenLoopConfig(**kwargs)
+
+
+def test_server_means_come_from_the_metrics_before_and_after_a_rate():
+    """``server_mean_ms``: each histogram's sum and count summed over its series (fronts, replicas), the
+    difference across the rate as a mean; None without both scrapes or without a new observation."""
+    from chattts_velocity.bench.open_loop import SERVER_MEANS, server_means
+
+    names = list(SERVER_MEANS.values())
+    before = {names[0]: (1.0, 10.0), names[1]: (0.5, 10.0), names[2]: (2.0, 10.0)}
+    after = {names[0]: (1.3, 13.0), names[1]: (0.5, 10.0), names[2]: (2.6, 13.0)}
+    means = server_means(before, after)
+    assert means["to_first_token"] == pytest.approx(100.0) and means["first_audio"] == pytest.approx(200.0)
+    assert means["to_first_audio"] is None and server_means(None, after) is None

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -42,7 +44,15 @@ DEFINITIONS = {
     "send_lag_p99_ms": "how late a request was sent after its Poisson arrival time (the client's own delay)",
     "sustained_rate": "the highest rate tried such that it and every lower rate tried had first audio p95 within "
                       "p95_target_ms, no underrun and no failure",
+    "server_mean_ms": "the server's own means over the rate (its /metrics before and after it; None where it has "
+                      "none): to_first_token, a request submitted to the engine to its first token (the wait for "
+                      "the running step, its prompt step); to_first_audio, from there to its first audio (its "
+                      "first window, the audio round); first_audio, the HTTP request's start to its first audio",
 }
+SERVER_MEANS = {"to_first_token": "chattts_engine_first_token_seconds",
+                "to_first_audio": "chattts_engine_first_audio_seconds",
+                "first_audio": "chattts_time_to_first_audio_seconds"}
+"""``server_mean_ms``'s histograms on the server's ``/metrics``."""
 
 
 @dataclass(frozen=True)
@@ -240,11 +250,46 @@ async def _warm_up(cfg: OpenLoopConfig) -> float:
     return time.perf_counter() - begun
 
 
+def scrape_sums(url: str) -> dict[str, tuple[float, float]] | None:
+    """Each of ``SERVER_MEANS``' histograms on the server's ``/metrics``: (sum, count) over its series (fronts
+    and replicas); None when the page cannot be read."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as page:
+            text = page.read().decode()
+    except (OSError, ValueError):
+        return None
+    sums = {}
+    for name in SERVER_MEANS.values():
+        values = {"sum": 0.0, "count": 0.0}
+        for part, value in re.findall(rf"^{name}_(sum|count)(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE):
+            values[part] += float(value)
+        sums[name] = (values["sum"], values["count"])
+    return sums
+
+
+def server_means(before, after) -> dict[str, float | None] | None:
+    """``server_mean_ms`` of a rate from the scrapes before and after it."""
+    if before is None or after is None:
+        return None
+    means = {}
+    for key, name in SERVER_MEANS.items():
+        total, count = (a - b for a, b in zip(after[name], before[name], strict=True))
+        means[key] = total / count * 1e3 if count > 0 else None
+    return means
+
+
+def _measured_rate(cfg: OpenLoopConfig, rate: float, processes: int) -> dict:
+    before = scrape_sums(cfg.url)
+    row = run_rate(cfg, rate, processes)
+    return dict(row, server_mean_ms=server_means(before, scrape_sums(cfg.url)))
+
+
 def run_and_report(cfg: OpenLoopConfig) -> dict:
     if cfg.json_path:
         prepare_output(cfg.json_path)
     request_s = asyncio.run(_warm_up(cfg))
-    rows = [run_rate(cfg, rate, client_processes(rate, request_s, cfg.streams_per_process)) for rate in cfg.rates]
+    rows = [_measured_rate(cfg, rate, client_processes(rate, request_s, cfg.streams_per_process))
+            for rate in cfg.rates]
     best = sustained_rate(rows, cfg.p95_target_ms)
     config = {k: v for k, v in asdict(cfg).items() if k != "api_key"}  # a results file is shared; a key is not
     report = {"config": config, "definitions": DEFINITIONS, "rows": rows, "sustained_rate": best}
@@ -252,6 +297,11 @@ def run_and_report(cfg: OpenLoopConfig) -> dict:
     print(format_table(rows))
     print(f"sustained rate (first audio p95 <= {cfg.p95_target_ms:g} ms, no underrun, no failure): "
           + (f"{best:g} req/s" if best is not None else "none of the rates tried"))
+    means = [(r["rate"], r["server_mean_ms"]) for r in rows if r.get("server_mean_ms")]
+    if means:
+        print("server side, mean ms (to first token, then to first audio; first audio): " + "; ".join(
+            f"{rate:g} req/s: {_cell(m['to_first_token'])}, {_cell(m['to_first_audio'])}; {_cell(m['first_audio'])}"
+            for rate, m in means))
     for r in rows:
         if r["client_cpu_s"] > CLIENT_BOUND * r["wall_s"] or (r["send_lag_p99_ms"] or 0) > LAG_BOUND_S * 1e3:
             print(f"warning: at {r['rate']:g} req/s a client process was busy {r['client_cpu_s']:.1f} s of "
