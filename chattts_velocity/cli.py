@@ -186,6 +186,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max-window-tokens", type=int, default=SERVE_WINDOW_TOKENS,
                    help="engine: most tokens (steps x sequences) per multi-step decode window, so arriving "
                         "requests wait less under load (default: %(default)s; 0: no cap)")
+    s.add_argument("--open-window-max-seqs", type=int, default=None, metavar="N",
+                   help="engine: a decode window of at most N sequences ends early when a request arrives, so "
+                        "its prompt step waits a few steps, not the rest of the window (default: 16; 0: never)")
     s.add_argument("--log-level", default=ServeSettings.log_level, choices=LOG_LEVELS,
                    help="server log level (default: %(default)s)")
     r = s.add_argument_group("replicas (Ray Serve: pip install -e \".[scale]\" from a clone, or "

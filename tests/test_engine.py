@@ -326,7 +326,7 @@ def test_a_request_arriving_during_a_window_waits_for_that_window_only(chat, mak
 
 
 def test_an_arrival_ends_a_full_window_after_the_steps_queued_ahead(chat, make_engine):
-    """``EngineConfig.window_lookahead``: with ``arrivals`` set, a full window is queued a few steps ahead of the
+    """``EngineConfig.open_window_max_seqs``: with ``arrivals`` set, a full window is queued a few steps ahead of the
     device and a request that arrives during it ends it there (its blocks for the rest stay reserved); a window
     bringing a sequence to its first audio runs whole even when a request arrives. The tokens are those of
     one-step scheduling."""
@@ -336,7 +336,7 @@ def test_an_arrival_ends_a_full_window_after_the_steps_queued_ahead(chat, make_e
 
     def generate(window: int, lookahead: int | None) -> tuple[list, list]:
         engine = make_engine(num_decode_steps=window, first_window_tokens=6, pipeline_decode=window > 1,
-                             window_lookahead=lookahead)
+                             window_lookahead=lookahead or 4, open_window_max_seqs=16 if lookahead else 0)
         collected = []
         collect = engine.runner.collect
         engine.runner.collect = lambda w: (collected.append((w.decode, w.num_steps)), collect(w))[1]
@@ -379,6 +379,8 @@ def test_an_arrival_ends_a_full_window_after_the_steps_queued_ahead(chat, make_e
         torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="window_lookahead"):
         make_engine(window_lookahead=0)
+    with pytest.raises(ValueError, match="open_window_max_seqs"):
+        make_engine(open_window_max_seqs=-1)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -148,7 +148,8 @@ def test_an_arrival_ends_an_open_window_on_cuda(model):
 
     def generate(lookahead):
         engine = LLMEngine.from_model(model, EngineConfig(dtype="float32", max_num_seqs=4, kv_cache_gib=1,
-                                                          window_lookahead=lookahead, pipeline_decode=True), "cuda")
+                                                          open_window_max_seqs=16 if lookahead else 0,
+                                                          pipeline_decode=True), "cuda")
         steps, calls = [], []
         collect = engine.runner.collect
         engine.runner.collect = lambda w: (steps.append((w.decode, w.num_steps)), collect(w))[1]

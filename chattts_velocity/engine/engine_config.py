@@ -67,15 +67,15 @@ class EngineConfig:
     """Queue the next decode window before reading the current one's tokens while the batch cannot change, so
     host work overlaps the device's. None: on CUDA only (on CPU the window runs inside the launch, so it would
     only delay each report by a window)."""
-    window_lookahead: int | None = 4
-    """Where requests arrive while the engine runs (``AsyncLLMEngine``), a full decode window is queued this
-    many steps ahead of the device rather than all at once, and a request that arrives during it ends it there:
-    its prompt step waits for at most these steps, not for the rest of the window. A window that brings a
-    sequence to its first audio runs whole, and so does a batch of more than ``open_window_max_seqs``: there,
-    ending a window at each arrival (a prompt step and a first window each, where a whole window's end takes
-    several arrivals' prompts in one step) costs more than it saves. None: every window is queued whole."""
     open_window_max_seqs: int = 16
-    """See ``window_lookahead``."""
+    """Where requests arrive while the engine runs (``AsyncLLMEngine``), a full decode window of at most this
+    many sequences runs open: queued ``window_lookahead`` steps ahead of the device rather than all at once, and
+    a request that arrives during it ends it there, so its prompt step waits for a few steps, not for the rest
+    of the window. A window that brings a sequence to its first audio runs whole, and so does a larger batch:
+    there, ending a window at each arrival (a prompt step and a first window each, where a whole window's end
+    takes several arrivals' prompts in one step) costs more than it saves. 0: every window runs whole."""
+    window_lookahead: int = 4
+    """Steps an open window keeps queued ahead of the device (see ``open_window_max_seqs``)."""
     enforce_eager: bool = False
     """Never use CUDA graphs (they are used on CUDA for the multi-step decode and the padded prefill steps
     otherwise)."""
@@ -87,9 +87,9 @@ class EngineConfig:
         _positive("num_decode_steps", self.num_decode_steps)
         if self.max_window_tokens is not None:
             _positive("max_window_tokens", self.max_window_tokens)
-        if self.window_lookahead is not None:
-            _positive("window_lookahead", self.window_lookahead)
-        _positive("open_window_max_seqs", self.open_window_max_seqs)
+        _positive("window_lookahead", self.window_lookahead)
+        if not isinstance(self.open_window_max_seqs, int) or self.open_window_max_seqs < 0:
+            raise ValueError(f"open_window_max_seqs must be an int >= 0, got {self.open_window_max_seqs!r}")
         if not isinstance(self.first_window_tokens, int) or self.first_window_tokens < 0:
             raise ValueError(f"first_window_tokens must be an int >= 0, got {self.first_window_tokens!r}")
         if self.num_kv_blocks is not None:

@@ -228,7 +228,7 @@ class LLMEngine:
 
     def _launch(self, open_window: bool = False) -> LaunchedStep | OpenWindow | None:
         """Schedule a step and launch it (None: nothing to run); ``open_window``: a full decode window as an
-        ``OpenWindow`` (``EngineConfig.window_lookahead``)."""
+        ``OpenWindow`` (``EngineConfig.open_window_max_seqs``)."""
         self._batch = []
         plan = self.scheduler.schedule()
         self._batch = [item.seq for item in plan.scheduled]
@@ -312,12 +312,12 @@ class LLMEngine:
     @property
     def _opens_windows(self) -> bool:
         """Whether full decode windows run as ``OpenWindow``s: requests arrive while the engine runs
-        (``arrivals``), windows are pipelined, and ``EngineConfig.window_lookahead`` is set."""
-        return self.arrivals is not None and self._pipeline and self.config.window_lookahead is not None
+        (``arrivals``), windows are pipelined, and ``EngineConfig.open_window_max_seqs`` allows them."""
+        return self.arrivals is not None and self._pipeline and self.config.open_window_max_seqs > 0
 
     def _may_cut(self, scheduled) -> bool:
         """Whether a window may run open: neither a large batch nor one that brings an audio sequence to its
-        first audio (``first_window_tokens``), which run whole (``EngineConfig.window_lookahead``)."""
+        first audio (``first_window_tokens``), which run whole (``EngineConfig.open_window_max_seqs``)."""
         first = self.config.first_window_tokens
         return len(scheduled) <= self.config.open_window_max_seqs and not any(
             not item.seq.text_mode and item.seq.num_generated < first for item in scheduled)

@@ -37,6 +37,7 @@ OPTIONS: dict[str, type] = {
     "header_timeout": float, "body_timeout": float, "max_connections": int, "engine_timeout": float,
     # the engine
     "max_num_seqs": int, "kv_cache_gib": float, "engine_dtype": str, "max_window_tokens": int,
+    "open_window_max_seqs": int,
     # the topology
     "engine_process": bool, "fronts": int, "replicas": int, "min_replicas": int, "max_replicas": int,
     "gpus_per_replica": float, "ray_address": str, "ingress": str,
@@ -245,10 +246,13 @@ class ServeSettings:
             max_connections=o["max_connections"], engine_timeout_s=o["engine_timeout"]))
         if o["engine_dtype"] is not None and o["engine_dtype"] not in ENGINE_DTYPES:
             raise ValueError(f"engine_dtype must be one of {', '.join(ENGINE_DTYPES)}, got {o['engine_dtype']!r}")
+        if o["open_window_max_seqs"] is not None:
+            _check_int("open_window_max_seqs", o["open_window_max_seqs"], 0)
         window = SERVE_WINDOW_TOKENS if o["max_window_tokens"] is None else o["max_window_tokens"]
         load = dict(model_load(o["model"], bool(o["dummy"]), o["source"] or SOURCES[0], o["device"]),
                     max_num_seqs=o["max_num_seqs"] or server.max_concurrent * server.in_flight_sentences,
-                    kv_cache_gib=o["kv_cache_gib"], engine_dtype=o["engine_dtype"], max_window_tokens=window or None)
+                    kv_cache_gib=o["kv_cache_gib"], engine_dtype=o["engine_dtype"], max_window_tokens=window or None,
+                    **_given(open_window_max_seqs=o["open_window_max_seqs"]))
         return cls(load, server, threads=o["threads"], scale=_scale(o, replicas), **_given(
             host=o["host"], port=o["port"], log_level=o["log_level"], engine_process=o["engine_process"],
             fronts=o["fronts"]))
