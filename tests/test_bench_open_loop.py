@@ -226,3 +226,44 @@ def test_server_means_come_from_the_metrics_before_and_after_a_rate():
     means = server_means(before, after)
     assert means["to_first_token"] == pytest.approx(100.0) and means["first_audio"] == pytest.approx(200.0)
     assert means["to_first_audio"] is None and server_means(None, after) is None
+
+
+def test_server_sums_add_every_series_of_a_histogram():
+    """``scrape_sums`` reads a /metrics page whose histograms have several series (fronts summed already,
+    replicas labelled apart) and adds them; a page that cannot be read gives None."""
+    import http.server
+    import threading
+
+    from chattts_velocity.bench.open_loop import scrape_sums
+
+    page = "\n".join([
+        "# TYPE chattts_engine_first_token_seconds histogram",
+        'chattts_engine_first_token_seconds_bucket{replica="a",le="+Inf"} 3.0',
+        'chattts_engine_first_token_seconds_sum{replica="a"} 0.25',
+        'chattts_engine_first_token_seconds_count{replica="a"} 3.0',
+        'chattts_engine_first_token_seconds_sum{replica="b"} 0.5',
+        'chattts_engine_first_token_seconds_count{replica="b"} 2.0',
+        "chattts_time_to_first_audio_seconds_sum 1.5",
+        "chattts_time_to_first_audio_seconds_count 5.0",
+        "chattts_time_to_first_audio_seconds_created 1.7e+09", ""]).encode()
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        sums = scrape_sums(f"http://127.0.0.1:{httpd.server_port}/")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert sums["chattts_engine_first_token_seconds"] == (pytest.approx(0.75), 5.0)
+    assert sums["chattts_time_to_first_audio_seconds"] == (1.5, 5.0)
+    assert sums["chattts_engine_first_audio_seconds"] == (0.0, 0.0)  # not on the page
+    assert scrape_sums(f"http://127.0.0.1:{httpd.server_port}/") is None  # nobody listens now
