@@ -248,6 +248,7 @@ class AsyncLLMEngine:
                 if out.finished and out.request_id in self._streams:
                     stream = self._streams.pop(out.request_id)
                     self._recent.append((out.request_id, stream.times[out.request_id]))
+        ended = []  # young requests that finished: forgotten after the audio round, if it gave them none
         for out, stream in zip(outputs, streams, strict=True):
             if stream is not None:
                 times = stream.times[out.request_id]
@@ -256,6 +257,8 @@ class AsyncLLMEngine:
                 if first and times.first_token is not None:
                     self._first_token_wait.observe(times.first_token - times.queued)
                     self._young[out.request_id] = times
+            if out.finished and out.request_id in self._young:
+                ended.append(out.request_id)
         listeners = {id(s.listener): s.listener for s in streams if s is not None and s.listener}
         hurry = False
         if listeners:  # the next step, if it leads to first audio, computes on the device during the round
@@ -270,16 +273,16 @@ class AsyncLLMEngine:
             # request waits for the next step on its way to first audio (its prefill or first window)
             listener.wake(hurry=hurry)
         if self._young:
-            self._heard([out.request_id for out in outputs if out.finished])
+            self._heard(ended)
 
-    def _heard(self, finished: list[str]) -> None:
-        """Time the first audio of the young requests that have it now; forget the finished ones without (text
+    def _heard(self, ended: list[str]) -> None:
+        """Time the first audio of the young requests that have it now; forget those of ``ended`` without (text
         requests, or audio decoded whole at the end)."""
         heard = [(rid, t) for rid, t in self._young.items() if t.first_audio is not None]
         for rid, times in heard:
             del self._young[rid]
             self._first_audio_wait.observe(times.first_audio - times.first_token)
-        for rid in finished:
+        for rid in ended:
             self._young.pop(rid, None)
 
     def _take_pending(self) -> bool:

@@ -226,16 +226,16 @@ class LLMEngine:
             return True
         return self._window is not None
 
-    def _launch(self, open_window: bool = False) -> LaunchedStep | OpenWindow | None:
-        """Schedule a step and launch it (None: nothing to run); ``open_window``: a full decode window as an
-        ``OpenWindow`` (``EngineConfig.open_window_max_seqs``)."""
+    def _launch(self, may_open: bool = False) -> LaunchedStep | OpenWindow | None:
+        """Schedule a step and launch it (None: nothing to run); ``may_open``: a decode window that may run open
+        does (``_runs_open``)."""
         self._batch = []
         plan = self.scheduler.schedule()
         self._batch = [item.seq for item in plan.scheduled]
         if not plan.scheduled:
             return None
         self._count(plan)
-        if open_window and plan.decode and self._may_cut(plan.scheduled):
+        if may_open and plan.decode and self._runs_open(self._batch):
             self._open_mark = self._num_added
             return self.runner.open(plan, self.config.window_lookahead)
         window = self.runner.launch(plan)
@@ -252,7 +252,7 @@ class LLMEngine:
             raise err
         window, self._window = self._window, None
         if window is None:
-            window = self._launch(open_window=self._opens_windows)
+            window = self._launch(may_open=True)
             if window is None:
                 return []
         else:
@@ -309,18 +309,14 @@ class LLMEngine:
                            kv_blocks_used=bm.num_blocks - bm.num_free_blocks, kv_blocks_total=bm.num_blocks,
                            num_preemptions=sched.num_preemptions, **self._totals)
 
-    @property
-    def _opens_windows(self) -> bool:
-        """Whether full decode windows run as ``OpenWindow``s: requests arrive while the engine runs
-        (``arrivals``), windows are pipelined, and ``EngineConfig.open_window_max_seqs`` allows them."""
-        return self.arrivals is not None and self._pipeline and self.config.open_window_max_seqs > 0
-
-    def _may_cut(self, scheduled) -> bool:
-        """Whether a window may run open: neither a large batch nor one that brings an audio sequence to its
-        first audio (``first_window_tokens``), which run whole (``EngineConfig.open_window_max_seqs``)."""
+    def _runs_open(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode window of ``seqs`` runs as an ``OpenWindow`` (``EngineConfig.open_window_max_seqs``):
+        requests arrive while the engine runs (``arrivals``), windows are pipelined, and it is neither a batch of
+        more than ``open_window_max_seqs`` nor one that brings an audio sequence to its first audio."""
+        if self.arrivals is None or not self._pipeline or len(seqs) > self.config.open_window_max_seqs:
+            return False
         first = self.config.first_window_tokens
-        return len(scheduled) <= self.config.open_window_max_seqs and not any(
-            not item.seq.text_mode and item.seq.num_generated < first for item in scheduled)
+        return not any(not seq.text_mode and seq.num_generated < first for seq in seqs)
 
     def _arrived(self) -> bool:
         """Whether the open window should end now: a request arrived since it was launched (``arrivals``, asked
@@ -338,14 +334,13 @@ class LLMEngine:
         if not self._pipeline:
             return None
         steps = self.scheduler.continue_window(window.seqs, window.num_steps)
-        if steps and self.arrivals is not None:  # its blocks stay reserved if an arrival changes the batch
+        if not steps:
+            return None
+        if self.arrivals is not None:  # its blocks stay reserved if an arrival changes the batch
             self.runner.wait(window)
             if self.arrivals():
                 return None
-        if not steps:
-            return None
-        if self._opens_windows and len(window.seqs) <= self.config.open_window_max_seqs:
-            # enough steps queued to cover the report and the audio round before ``close``
+        if self._runs_open(window.seqs):  # enough steps queued to cover the report and audio round before ``close``
             self._open_mark = self._num_added
             return self.runner.launch_next(window, steps, lead=2 * self.config.window_lookahead)
         return self.runner.launch_next(window, steps)

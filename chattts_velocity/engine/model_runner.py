@@ -64,16 +64,8 @@ class OpenWindow:
     seqs: list[Sequence]
     planned: int
     """Steps the scheduler granted it (the blocks it reserved)."""
-    queued: int
-    """Steps queued so far."""
-    events: list[torch.cuda.Event]
-    """One recorded after each queued step (CUDA; empty on the CPU, where a step runs as it is queued)."""
-    decode: bool = True
-
-    @property
-    def num_steps(self) -> int:
-        """The steps planned (it may end before them)."""
-        return self.planned
+    queued: int = 0
+    """Steps queued so far (on CUDA each followed by ``ModelRunner``'s event of that step)."""
 
 
 class ModelRunner:
@@ -114,7 +106,8 @@ class ModelRunner:
                              for _ in range(2)]
         self._next_host = 0
         self._step_events = [torch.cuda.Event() for _ in range(max_steps)] if device.type == "cuda" else []
-        """Recorded after each step of an ``OpenWindow`` (one window is open at a time)."""
+        """Recorded after each step of an ``OpenWindow`` (one window is open at a time); none on the CPU, where a
+        step runs as it is queued."""
 
     def prefill_limits(self) -> tuple[int | None, int | None]:
         """Most sequences and tokens of a step the padded prefill (a CUDA graph) takes; (None, None) on CPU."""
@@ -160,29 +153,28 @@ class ModelRunner:
 
     def _open(self, seqs: list[Sequence], planned: int, lead: int, continuing: bool) -> OpenWindow:
         self.decoder.begin(seqs, continuing)
-        window = OpenWindow(seqs, planned, 0, [])
-        self._queue(window, lead)
+        window = OpenWindow(seqs, planned)
+        for _ in range(lead):
+            self._queue(window)
         return window
 
-    def _queue(self, window: OpenWindow, num_steps: int) -> None:
-        for _ in range(num_steps):
-            self.decoder.advance(1)
-            if self.device.type == "cuda":
-                event = self._step_events[window.queued]
-                event.record()
-                window.events.append(event)
-            window.queued += 1
+    def _queue(self, window: OpenWindow) -> None:
+        """Queue ``window``'s next step."""
+        self.decoder.advance(1)
+        if self._step_events:
+            self._step_events[window.queued].record()
+        window.queued += 1
 
     def close(self, window: OpenWindow, stop: Callable[[], bool], ahead: int) -> tuple[LaunchedStep, bool]:
         """Queue ``window``'s remaining steps, keeping at most ``ahead`` of them queued beyond the device's
         progress and asking ``stop()`` before each; when it says so, the window ends at the steps queued (its
         sequences keep the blocks reserved for the rest). The step to collect, and whether it ended early."""
         while window.queued < window.planned:
-            if window.events and window.queued >= ahead:
-                window.events[window.queued - ahead].synchronize()
+            if self._step_events and window.queued >= ahead:
+                self._step_events[window.queued - ahead].synchronize()
             if stop():
                 break
-            self._queue(window, 1)
+            self._queue(window)
         cut = window.queued < window.planned
         return self._launched(window.seqs, *self.decoder.outputs(window.queued), decode=True), cut
 

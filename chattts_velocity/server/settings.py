@@ -246,8 +246,6 @@ class ServeSettings:
             max_connections=o["max_connections"], engine_timeout_s=o["engine_timeout"]))
         if o["engine_dtype"] is not None and o["engine_dtype"] not in ENGINE_DTYPES:
             raise ValueError(f"engine_dtype must be one of {', '.join(ENGINE_DTYPES)}, got {o['engine_dtype']!r}")
-        if o["open_window_max_seqs"] is not None:
-            _check_int("open_window_max_seqs", o["open_window_max_seqs"], 0)
         window = SERVE_WINDOW_TOKENS if o["max_window_tokens"] is None else o["max_window_tokens"]
         load = dict(model_load(o["model"], bool(o["dummy"]), o["source"] or SOURCES[0], o["device"]),
                     max_num_seqs=o["max_num_seqs"] or server.max_concurrent * server.in_flight_sentences,
