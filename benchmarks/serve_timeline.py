@@ -5,6 +5,8 @@ on full-size random weights, while the engine's steps and the audio rounds are t
     python benchmarks/serve_timeline.py --streams 8 64 256 --requests 2 --tokens 500
     python benchmarks/serve_timeline.py --http ...           # the same engine served over HTTP, driven by `bench serve`
     python benchmarks/serve_timeline.py --http --split ...   # the HTTP front in a process of its own
+    python benchmarks/serve_timeline.py --http --rates 20 80 --duration 10 --tokens 250 --min-new-token 250
+                                                             # open loop: `bench serve --rates`, one rate a level
 
 Per level: wall time, audio seconds per second, first audio p50/p99, and the engine thread's time split into
 scheduler steps (prefill steps, decode windows), audio rounds and waiting, with the rounds' decode calls, windows
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing as mp
 import resource
@@ -69,15 +72,19 @@ def instrument(chat):
     for name, owner in owners.items():
         attr = "_output" if name == "output" else name
         setattr(owner, attr, timer(name, getattr(owner, attr)))
-    launch, launch_next = llm.runner.launch, llm.runner.launch_next
+    launch, launch_next, open_ = llm.runner.launch, llm.runner.launch_next, llm.runner.open
 
     def counted_launch(plan):
         windows[0] += plan.decode
         return launch(plan)
 
-    def counted_next(window, num_steps):
+    def counted_open(plan, lead):
+        windows[0] += plan.decode
+        return open_(plan, lead)
+
+    def counted_next(window, num_steps, **kw):
         windows[0] += 1
-        return launch_next(window, num_steps)
+        return launch_next(window, num_steps, **kw)
 
     def timed_step():
         waiting, running = len(llm.scheduler.waiting), len(llm.scheduler.running)
@@ -89,9 +96,9 @@ def instrument(chat):
                              window_before or windows[0] > launched, llm._totals["num_prompt_tokens"] - prompt_tokens))
         return out
 
-    def timed_wake():
+    def timed_wake(**kw):
         t0 = time.perf_counter()
-        wake()
+        wake(**kw)
         if threading.current_thread().name.startswith("chattts-velocity-engine"):
             log["wakes"].append((t0, time.perf_counter()))
 
@@ -113,7 +120,7 @@ def instrument(chat):
 
     pump.audio.to_wavs = timed_to_wavs
     llm.step, pump.wake, pump.decode = timed_step, timed_wake, timed_decode
-    llm.runner.launch, llm.runner.launch_next = counted_launch, counted_next
+    llm.runner.launch, llm.runner.launch_next, llm.runner.open = counted_launch, counted_next, counted_open
     return log
 
 
@@ -156,6 +163,28 @@ def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 
             "server_process_cpu_s": round(own_after.ru_utime + own_after.ru_stime - own.ru_utime - own.ru_stime, 2),
             **engine_thread(log, wall), "request_phases": request_phases(chat, phases, begin, wall),
             "http_phases": http_phases(row["traced"], stamps), **(raw_events(chat, log, begin) if events else {})}
+
+
+def level_open_loop(chat, log, url: str, rate: float, duration: float, events: bool = False) -> dict:
+    """Open loop over HTTP: ``chattts-velocity bench serve --rates RATE`` (Poisson arrivals for ``duration`` s)
+    against the instrumented server; the client's first audio, the engine thread's time and each request's way
+    to its first token and first audio, server side."""
+    reset(log)
+    for spans in LOG_HTTP.values():
+        spans.clear()
+    begin = time.monotonic()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "bench", "serve", "--url", url, "--rates",
+                        str(rate), "--duration", str(duration), "--json", f.name], check=True,
+                       stdout=subprocess.DEVNULL)
+        (row,) = json.load(open(f.name))["rows"]
+    spans = log["steps"] + log["wakes"]
+    wall = max(b for _, b, *_ in spans) - min(a for a, *_ in spans)
+    keep = ("rate", "achieved_rate", "first_audio_p50_ms", "first_audio_p95_ms", "first_audio_p99_ms",
+            "underruns", "arrivals", "failed")
+    return {**{k: row.get(k) for k in keep}, **engine_thread(log, wall),
+            "request_phases": request_phases(chat, LOG_HTTP, begin, wall),
+            **(raw_events(chat, log, begin) if events else {})}
 
 
 def raw_events(chat, log, begin: float) -> dict:
@@ -520,6 +549,11 @@ def main() -> None:
     ap.add_argument("--min-new-token", type=int, default=0,
                     help="with --http: the server's min_new_token (--tokens: every request as long; the in-process "
                          "levels always are)")
+    ap.add_argument("--rates", type=float, nargs="+", default=None,
+                    help="with --http: open loop instead of --streams, one level per rate (req/s) for --duration s")
+    ap.add_argument("--duration", type=float, default=10.0, help="with --rates: seconds of arrivals per rate")
+    ap.add_argument("--open-window-max-seqs", type=int, nargs="+", default=None,
+                    help="EngineConfig.open_window_max_seqs values to compare, each over every level")
     ap.add_argument("--events", action="store_true",
                     help="with --http: keep each level's raw engine-thread events and request milestones in the JSON")
     args = ap.parse_args()
@@ -534,19 +568,26 @@ def main() -> None:
         print(f"server warm-up {time.perf_counter() - t0:.1f} s", flush=True)
     level(chat, log, 2, 1, 64)  # warm-up
     if args.http:
-        config = ServerConfig(max_concurrent=max(args.streams), max_queue=4 * max(args.streams),
+        config = ServerConfig(max_concurrent=max(args.streams), max_queue=max(4 * max(args.streams), 1024),
                               max_new_token=args.tokens, min_new_token=args.min_new_token)
         url = (start_split_server if args.split else start_server)(chat, config)
     rows = []
-    for interval in args.round_interval or [chat.pipeline.pump.round_interval_s]:
-        chat.pipeline.pump.round_interval_s = interval
-        for clients in args.clients if args.http else [1]:
-            for n in args.streams:
-                row = (level_http(chat, log, url, n, args.requests, clients, args.events) if args.http
-                       else level(chat, log, n, args.requests, args.tokens))
-                row = {"round_interval_s": interval, **row}
-                print(json.dumps({k: v for k, v in row.items() if k != "events"}), flush=True)
-                rows.append(row)
+    llm = chat.engine.engine
+    for open_max in args.open_window_max_seqs or [llm.config.open_window_max_seqs]:
+        llm.config = dataclasses.replace(llm.config, open_window_max_seqs=open_max)
+        for interval in args.round_interval or [chat.pipeline.pump.round_interval_s]:
+            chat.pipeline.pump.round_interval_s = interval
+            for clients in args.clients if args.http else [1]:
+                for n in (args.rates if args.http and args.rates else args.streams):
+                    if args.http and args.rates:
+                        row = level_open_loop(chat, log, url, n, args.duration, args.events)
+                    elif args.http:
+                        row = level_http(chat, log, url, n, args.requests, clients, args.events)
+                    else:
+                        row = level(chat, log, n, args.requests, args.tokens)
+                    row = {"open_window_max_seqs": open_max, "round_interval_s": interval, **row}
+                    print(json.dumps({k: v for k, v in row.items() if k != "events"}), flush=True)
+                    rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
