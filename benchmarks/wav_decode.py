@@ -130,10 +130,15 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--tokens", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--compile", action="store_true", help="also torch.compile the fp16 modes")
+    ap.add_argument("--compile", action="store_true", help="also torch.compile the tf32, bf16 and fp16 modes")
     ap.add_argument("--windows", type=int, nargs="*", default=[],
                     help="also time stream-window batches of these lengths (tokens), at 1 to 256 windows")
+    ap.add_argument("--modes", nargs="+", default=None,
+                    help="only these modes (fp32, the SNR reference, always runs): tf32 bf16-autocast ...")
+    ap.add_argument("--cudnn-benchmark", action="store_true",
+                    help="let cuDNN time its convolution algorithms per shape (torch.backends.cudnn.benchmark)")
     args = ap.parse_args()
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = load_model("full", device, 0)
@@ -158,6 +163,10 @@ def main() -> None:
     ]
     if args.compile:
         modes.append(Mode("fp16-weights+compile", model, half=torch.float16, compile_=True))
+        modes.append(Mode("tf32+compile", model, tf32=True, compile_=True))
+        modes.append(Mode("bf16-weights+compile", model, half=torch.bfloat16, compile_=True))
+    if args.modes:
+        modes = [m for m in modes if m.name == "fp32" or m.name in args.modes]
     if args.windows:
         windows_probe(model, [m for m in modes if not m.compiled], distinct, args.windows, args.repeats)
     ref, _ = modes[0].parts(distinct, None)
