@@ -42,7 +42,7 @@ def fused_probe(dtype, rows=(1, 16, 64, 128)) -> None:
     from chattts_velocity.kernels._triton.linear import fused_linear_triton
 
     roles = {"qkv+norm": (2304, 768, True, False), "o": (768, 768, False, False),
-             "gate_up+norm+silu": (6144, 768, True, True), "down": (768, 3072, False, False)}
+             "gate_up+norm+silu": (3072, 768, True, True), "down": (768, 3072, False, False)}
     print("\n== linear roles, 20 distinct weights per graph, us per call (unfused = rms_norm/cuBLAS/silu) ==")
     for name, (n, k, norm, gated) in roles.items():
         ws = [torch.randn(n * (2 if gated else 1), k, device="cuda", dtype=dtype) * 0.02 for _ in range(20)]
