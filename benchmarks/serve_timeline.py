@@ -557,6 +557,8 @@ def main() -> None:
     ap.add_argument("--events", action="store_true",
                     help="with --http: keep each level's raw engine-thread events and request milestones in the JSON")
     args = ap.parse_args()
+    if args.rates and not args.http:
+        ap.error("--rates drives the server over HTTP: add --http")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     chat = load_bench_chat(StreamBenchConfig(size=args.size), max(args.streams) * 4)
