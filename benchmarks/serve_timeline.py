@@ -133,15 +133,26 @@ def reset(log) -> None:
             v.clear()
 
 
+def reset_http(log) -> float:
+    """Clear the engine's and the HTTP phases' logs for a level over HTTP; its start (``time.monotonic``)."""
+    reset(log)
+    for spans in LOG_HTTP.values():
+        spans.clear()
+    return time.monotonic()
+
+
+def busy_wall(log) -> float:
+    """The engine thread's busy span over the level: first step or round to the last (the clients' start-up
+    left out)."""
+    spans = log["steps"] + log["wakes"]
+    return max(b for _, b, *_ in spans) - min(a for a, *_ in spans)
+
+
 def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 1, events: bool = False) -> dict:
     """The same load over HTTP: ``chattts-velocity bench serve`` (a process of its own, which splits the streams
     over ``clients`` client processes started together) against the server that runs in this process on the
     instrumented engine."""
-    reset(log)
-    phases = LOG_HTTP
-    for spans in phases.values():
-        spans.clear()
-    begin = time.monotonic()
+    begin, phases = reset_http(log), LOG_HTTP
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         child, own = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
         stamps = LOG_STAMPS
@@ -151,8 +162,7 @@ def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 
                         str(-(-streams // clients)), "--trace", "--json", f.name], check=True, stdout=subprocess.DEVNULL)
         child_after, own_after = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
         (row,) = json.load(open(f.name))["rows"]
-    spans = log["steps"] + log["wakes"]  # the engine's busy span (the clients' start-up left out)
-    wall = max(b for _, b, *_ in spans) - min(a for a, *_ in spans)
+    wall = busy_wall(log)
     return {"streams": streams, "requests": row["requests"], "errors": row["failures"],
             "client_rtf_total": round(row["rtf_total"], 1), "first_audio_p50_ms": round(row["ttfa_p50_ms"], 1),
             "first_audio_p99_ms": round(row["ttfa_p99_ms"], 1), "client_headers_p50_ms": round(row["headers_p50_ms"], 1),
@@ -169,17 +179,13 @@ def level_open_loop(chat, log, url: str, rate: float, duration: float, events: b
     """Open loop over HTTP: ``chattts-velocity bench serve --rates RATE`` (Poisson arrivals for ``duration`` s)
     against the instrumented server; the client's first audio, the engine thread's time and each request's way
     to its first token and first audio, server side."""
-    reset(log)
-    for spans in LOG_HTTP.values():
-        spans.clear()
-    begin = time.monotonic()
+    begin = reset_http(log)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, "-m", "chattts_velocity.cli", "bench", "serve", "--url", url, "--rates",
                         str(rate), "--duration", str(duration), "--json", f.name], check=True,
                        stdout=subprocess.DEVNULL)
         (row,) = json.load(open(f.name))["rows"]
-    spans = log["steps"] + log["wakes"]
-    wall = max(b for _, b, *_ in spans) - min(a for a, *_ in spans)
+    wall = busy_wall(log)
     keep = ("rate", "achieved_rate", "first_audio_p50_ms", "first_audio_p95_ms", "first_audio_p99_ms",
             "underruns", "arrivals", "failed")
     return {**{k: row.get(k) for k in keep}, **engine_thread(log, wall),
