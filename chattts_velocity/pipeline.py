@@ -70,7 +70,8 @@ class Pipeline:
         audio.use_graphs(stream_config.window_lengths())  # CUDA only; each graph is captured at first use
         self.pump = AudioPump(audio, round_interval_s=AUDIO_ROUND_S)
         """Decodes the stream windows of all concurrent calls together, between engine steps (paced: a round
-        that decodes only later chunks comes at most every ``pump.round_interval_s``)."""
+        that decodes only later chunks comes at most every ``pump.round_interval_s``; ``pump.thread``: on a
+        thread of its own)."""
         self._live: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self._lock = threading.Lock()
         self.interrupts = 0

@@ -39,13 +39,17 @@ def test_reference_path_matches_upstream_on_cuda(cuda_pair):
         assert float(np.abs(a - b).max()) < 1e-4
 
 
-def test_concurrent_streams_on_cuda_equal_their_solo_runs(cuda_pair):
+@pytest.mark.parametrize("pump_thread", [False, True], ids=["engine-thread", "pump-thread"])
+def test_concurrent_streams_on_cuda_equal_their_solo_runs(cuda_pair, pump_thread, monkeypatch):
     """Threads streaming through the shared CUDA engine (graphs, pipelined windows, batched window decode)
-    get as much audio as the same call made offline, of the same loudness. (Samples are not compared one by
-    one: TF32 moves a few near the silence threshold, which both paths drop, and the rest shift.)"""
+    get as much audio as the same call made offline, of the same loudness; with the audio rounds on the engine's
+    thread or on the pump's own (``AudioPump.thread``, decoding while the engine allocates and steps). (Samples
+    are not compared one by one: TF32 moves a few near the silence threshold, which both paths drop, and the
+    rest shift.)"""
     import threading
 
     ours, _ = cuda_pair
+    monkeypatch.setattr(ours.pipeline.pump, "thread", pump_thread)
 
     def call(i, stream):
         p = ours.InferCodeParams(manual_seed=i, max_new_token=80, min_new_token=80, show_tqdm=False)

@@ -253,13 +253,16 @@ def _out(rid: str, hidden: torch.Tensor, finished: bool, n: int, error: Exceptio
                          finish_reason=FinishReason.ERROR if error else None, error=error)
 
 
-def test_audio_pump_decodes_every_stream_of_an_engine_step_in_one_round(chat):
+@pytest.mark.parametrize("thread", [False, True], ids=["engine-thread", "pump-thread"])
+def test_audio_pump_decodes_every_stream_of_an_engine_step_in_one_round(chat, thread):
     """Outputs handed to six streams in one engine step (one ``wake``) are decoded in one round, whatever
-    order the streams were fed in; each feed gets exactly its own samples, then its end."""
+    order the streams were fed in; each feed gets exactly its own samples, then its end. On the pump's own
+    thread (``thread``) the same."""
     from chattts_velocity.audio import AudioPump
     from chattts_velocity.engine import RequestStream
 
-    pump, engine, config = AudioPump(chat.audio), _Engine(), StreamConfig(first_chunk=8, lookahead=8)
+    pump, engine = AudioPump(chat.audio, thread=thread), _Engine()
+    config = StreamConfig(first_chunk=8, lookahead=8)
     tokens = [_tokens(chat, 40, True, seed=i) for i in range(6)]
     want = []
     for t in tokens:
@@ -283,6 +286,64 @@ def test_audio_pump_decodes_every_stream_of_an_engine_step_in_one_round(chat):
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.shape == w.shape and np.allclose(g, w, atol=1e-5), i
     assert not pump._feeds, "finished feeds should be forgotten"
+
+
+def test_a_pump_thread_runs_the_rounds_so_wake_returns_at_once(chat, monkeypatch):
+    """``AudioPump(thread=True)``: ``wake`` only signals the pump's thread, which runs the round (a wake during
+    a round is served right after it, with every output since); the thread ends once idle, and the next wake
+    starts another. A failing decode reaches the reader there too."""
+    import threading
+
+    from chattts_velocity.audio import AudioPump
+    from chattts_velocity.audio import pump as pump_module
+    from chattts_velocity.engine import RequestStream
+
+    monkeypatch.setattr(pump_module, "WORKER_IDLE_S", 0.2)
+    pump, engine = AudioPump(chat.audio, thread=True), _Engine()
+    gate, entered, threads = threading.Event(), threading.Event(), []
+    decode = pump.decode
+
+    def held(windows, use_decoder):
+        threads.append(threading.current_thread().name)
+        entered.set()
+        gate.wait(10)
+        return decode(windows, use_decoder)
+
+    pump.decode = held
+    config = StreamConfig(first_chunk=8, lookahead=8)
+    tokens = _tokens(chat, 60, True, seed=5)
+    stream = RequestStream(engine, ["r"])
+    feed = pump.open(stream, config, use_decoder=True)
+    stream.deliver(_out("r", tokens[:20], False, 20), 0.0)
+    pump.wake()  # returns while the round waits in its decode
+    assert entered.wait(10)
+    stream.deliver(_out("r", tokens[20:], True, 60), 0.0)  # the next step's outputs, during the round
+    pump.wake()
+    gate.set()
+    got = np.concatenate([x for d in feed for x in d.samples.get("r", [])])
+    assert threads and set(threads) == {"chattts-velocity-audio"}, threads
+    ref = AudioStream(config)
+    ref.push(tokens, finished=True)
+    windows = ref.ready()
+    want = np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, decode_windows(chat.audio, windows, True),
+                                                                strict=True)])
+    assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
+    worker = pump._worker
+    assert worker is not None
+    worker.join(5)
+    assert not worker.is_alive() and pump._worker is None, "an idle pump thread should end"
+
+    def broken(windows, use_decoder):
+        raise RuntimeError("decode broke")
+
+    pump.decode = broken
+    failing = RequestStream(engine, ["f"])
+    feed = pump.open(failing, config, use_decoder=True)
+    failing.deliver(_out("f", tokens[:30], True, 30), 0.0)
+    pump.wake()
+    with pytest.raises(RuntimeError, match="decode broke"):
+        list(feed)
+    assert pump._worker is not None and pump._worker is not worker
 
 
 def test_audio_pump_ends_a_closed_stream_and_reports_a_failed_request(chat):
@@ -489,3 +550,20 @@ def test_a_paced_round_decodes_only_the_feeds_with_a_first_or_last_chunk(chat):
         got = np.concatenate(got)
         assert got.shape == want.shape and np.allclose(got, want, atol=1e-5), rid
     assert not pump._feeds and not pump._marked and not pump._deferred
+
+
+def test_load_chat_puts_the_audio_rounds_on_a_thread_only_where_the_decodes_are_graphs(upstream_ckpt, caplog):
+    """``serve --audio-thread`` on a CPU: the rounds stay between the engine's steps (eager decodes on a thread
+    of their own trade the GIL with the engine), and the log says the option was ignored."""
+    import logging
+
+    from chattts_velocity.serving.load import load_chat
+
+    with caplog.at_level(logging.WARNING, logger="chattts_velocity.serving.load"):
+        chat = load_chat(dict(source="custom", custom_path=upstream_ckpt, device="cpu"), warmup=False,
+                         audio_round_ms=20, audio_thread=True)
+    try:
+        assert chat.pipeline.pump.thread is False and chat.pipeline.pump.round_interval_s == pytest.approx(0.02)
+        assert "audio_thread is ignored on cpu" in caplog.text
+    finally:
+        chat.unload()

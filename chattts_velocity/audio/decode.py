@@ -72,6 +72,14 @@ class AudioDecoder:
         after the one that produced its inputs."""
         return torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
 
+    def hold(self, x) -> None:
+        """Keep a device tensor made on another CUDA stream (the engine's outputs) from being reused there until
+        the work this decoder's stream has queued by the time it is freed is done (a no-op off CUDA). A pump's
+        thread (``AudioPump.thread``) decodes while the engine allocates, so a freed input's memory could be
+        rewritten before this stream read it."""
+        if self._side is not None and isinstance(x, Tensor) and x.is_cuda:
+            x.record_stream(self._side)
+
     @torch.inference_mode()
     def to_wavs(self, results: list[Tensor], use_decoder: bool, tf32: bool | None = None) -> np.ndarray:
         """Per-sequence [T_i, C] tensors (hidden states [T_i, H] if ``use_decoder``, else codes [T_i, G*R]) ->

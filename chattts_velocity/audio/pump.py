@@ -7,14 +7,18 @@ every window they complete is decoded in one batched Decoder + Vocos call per wi
 its samples. Under load the windows of hundreds of streams share one call (on a GPU a batch of windows costs
 little more than one window); the consumers only wait on their own queue.
 
-Why on the engine's thread: a window decode launches a few hundred kernels from Python. Run beside the engine,
-on a decoder thread fed by the consumers, the two threads traded the GIL: the decode and the engine's steps both
-took several times longer, and the server topped out far below what the engine alone delivered
-(`chattts-velocity bench stream`; docs/perf/). Between the steps, each round costs its own time and nothing
-else. What a round decodes, and when (first audio, deadlines, pacing): ``AudioPump``."""
+Where the rounds run: by default on the engine's thread, between its steps, where each round costs its own time
+and nothing else. An eager window decode launches a few hundred kernels from Python, and run beside the engine
+on a thread of its own it traded the GIL with the engine: both took several times longer (`chattts-velocity
+bench stream`; docs/perf/). With the decodes replayed as CUDA graphs (``AudioDecoder.use_graphs``) a round is
+mostly a wait for the device, and ``AudioPump(thread=True)`` runs the rounds on a thread of the pump's own:
+``wake`` only signals it, the engine's next step runs while a round decodes, and a round takes the outputs of
+every step since the one before. What a round decodes, and when (first audio, deadlines, pacing):
+``AudioPump``."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -22,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from .deadlines import PLAYBACK_GUARD_S, Pace, deadline, safe_to_start
 from .decode import AudioDecoder
@@ -43,6 +48,10 @@ class Delivery:
 
 
 _END = object()
+
+WORKER_IDLE_S = 30.0
+"""How long the pump's thread (``AudioPump.thread``) waits for a wake before it ends (the next wake starts
+another)."""
 
 
 class _Pending:
@@ -123,6 +132,7 @@ class Feed:
         outputs = self.stream.take()
         for out in outputs:
             tokens = out.new_hidden_states if self.use_decoder else out.new_token_ids
+            self.pump.audio.hold(tokens)
             self.audio[out.request_id].push(tokens, finished=out.finished)
         self._outputs += outputs
         self._windows += [w for a in self.audio.values() for w in a.ready()]
@@ -180,7 +190,7 @@ class AudioPump:
     With neither option a round is as before both: paced, first and last windows in between, one call."""
 
     def __init__(self, audio: AudioDecoder, round_interval_s: float = 0.0, *, deadlines: bool = True,
-                 safe_start: bool = True, clock=time.monotonic):
+                 safe_start: bool = True, thread: bool = False, clock=time.monotonic):
         if not round_interval_s >= 0:
             raise ValueError(f"round_interval_s must be >= 0, got {round_interval_s!r}")
         self.audio = audio
@@ -191,8 +201,15 @@ class AudioPump:
         up to this much later (never past its listener's deadline with ``deadlines``)."""
         self.deadlines, self.safe_start = deadlines, safe_start
         """The two rules of the class docstring (both off: the rounds as they were before them)."""
+        self.thread = thread
+        """Run the rounds on a thread of the pump's own, which ``wake`` signals (see the module); False: on the
+        thread that calls ``wake``. May be changed between rounds."""
         self.clock = clock
         """Seconds, monotonic (``time.monotonic``; tests give a fake one)."""
+        self._signal = threading.Condition()  # guards the three fields below
+        self._woken = False  # a wake not yet served by the pump's thread
+        self._woken_hurry = False  # ``hurry`` of the latest such wake
+        self._worker: threading.Thread | None = None  # the pump's thread, while it runs
         self.pace = Pace()
         """The recent steps and full rounds: how long until the next round may bring more audio."""
         self._lock = threading.Lock()  # guards the three dicts below
@@ -243,9 +260,35 @@ class AudioPump:
             feed._send(_END)
 
     def wake(self, hurry: bool = False) -> None:
-        """Run rounds on this thread until no marked stream is left: the engine calls it after each step, and
-        ``open`` for outputs that arrived before it. ``hurry``: a request waits for the engine's next step to
-        reach its first audio, so only what cannot wait is decoded (see the class)."""
+        """Run rounds until no marked stream is left: the engine calls it after each step, and ``open`` for
+        outputs that arrived before it. ``hurry``: a request waits for the engine's next step to reach its first
+        audio, so only what cannot wait is decoded (see the class). With ``thread`` the rounds run on the pump's
+        thread and this returns at once."""
+        if not self.thread:
+            self._wake(hurry)
+            return
+        with self._signal:
+            self._woken = True
+            self._woken_hurry = hurry
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="chattts-velocity-audio", daemon=True)
+                self._worker.start()
+            self._signal.notify()
+
+    def _work(self) -> None:
+        """The pump's thread: a wake's rounds each time one came; it ends after ``WORKER_IDLE_S`` without."""
+        device = self.audio.device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            while True:
+                with self._signal:
+                    if not self._signal.wait_for(lambda: self._woken, WORKER_IDLE_S):
+                        self._worker = None
+                        return
+                    self._woken = False
+                    hurry = self._woken_hurry
+                self._wake(hurry)
+
+    def _wake(self, hurry: bool) -> None:
         with self._rounds:
             self.pace.woke(self.clock())
             with self._lock:

@@ -141,7 +141,8 @@ class _DrainingServer(uvicorn.Server):
 def serve_local(settings: ServeSettings) -> int:
     """The model, its engine and the HTTP front in this process (``load_chat``: warmed up on CUDA)."""
     config = settings.server
-    chat = load_chat(settings.load, audio_round_ms=config.audio_round_ms, threads=settings.threads)
+    chat = load_chat(settings.load, audio_round_ms=config.audio_round_ms, threads=settings.threads,
+                     audio_thread=config.audio_thread)
     client = LocalClient(chat, config.voices_dir, owns_chat=True)
     try:
         app = build_app(client, config)
@@ -162,7 +163,7 @@ def serve_fronts(settings: ServeSettings) -> int:
     sock = _listen(host, settings.port, alone=True) if fronts > 1 else None
     port = sock.getsockname()[1] if sock is not None else settings.port
     engine = EngineSettings(voices_dir=config.voices_dir, audio_round_ms=config.audio_round_ms,
-                            threads=settings.threads, log_level=settings.log_level)
+                            audio_thread=config.audio_thread, threads=settings.threads, log_level=settings.log_level)
     client = RemoteClient.start_engine(settings.load, engine, fronts=fronts, beat_timeout_s=config.engine_timeout_s)
     counts = shared_counts(fronts) if fronts > 1 else None
     ctx = mp.get_context("spawn")

@@ -71,7 +71,8 @@ class SpeechReplica:
         link = ReplicaLink(self.replica, metrics_period_s)
         # Ray shows a replica only its own GPU, as ``cuda``, and the engine process inherits that view: an unset
         # device and dtype are chosen there
-        engine = EngineSettings(voices_dir=server.voices_dir, audio_round_ms=server.audio_round_ms, stall_s=stall_s)
+        engine = EngineSettings(voices_dir=server.voices_dir, audio_round_ms=server.audio_round_ms,
+                                audio_thread=server.audio_thread, stall_s=stall_s)
         # with fronts, this process is one more front of its engine process: the one that serves until they
         # take over Serve's socket (and alone, if that fails)
         ends = fronts + 1 if fronts > 1 else 1

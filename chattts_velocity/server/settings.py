@@ -22,9 +22,11 @@ HAPROXY_ENV, DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE
 HAPROXY_RETRY_ENV = "RAY_SERVE_HAPROXY_RETRY_ON"
 """Ray Serve's switches for the ``haproxy`` ingress and its retry policy, read from the environment of every Ray
 process."""
-SERVE_WINDOW_TOKENS = 2048
-"""``serve``'s default ``EngineConfig.max_window_tokens``: a cap on a decode window's tokens, so arriving requests
-wait less under load, at some cost in throughput (``chattts-velocity bench serve``; docs/perf/)."""
+SERVE_WINDOW_TOKENS = 0
+"""``serve``'s default ``EngineConfig.max_window_tokens`` (0: no cap). A cap shortens the decode windows of large
+batches, so an arriving request waits less for the running one, but each window's end costs the engine its
+report and audio round: at 256 streams a cap of 2048 (8-step windows) delivered less audio, and past the
+highest sustained open-loop rate the queue grew faster (`chattts-velocity bench serve`; docs/perf/serve.md)."""
 
 OPTIONS: dict[str, type] = {
     # the model
@@ -32,7 +34,7 @@ OPTIONS: dict[str, type] = {
     # the HTTP server
     "host": str, "port": int, "api_key": str, "max_concurrent": int, "max_queue": int, "max_input_chars": int,
     "voices_dir": str, "max_new_token": int, "min_new_token": int, "shutdown_timeout": float, "keep_alive": int,
-    "audio_round_ms": float, "log_level": str, "ws_max_contexts": int, "ws_idle_timeout": float,
+    "audio_round_ms": float, "audio_thread": bool, "log_level": str, "ws_max_contexts": int, "ws_idle_timeout": float,
     "ws_send_timeout": float, "send_timeout": float, "max_body_bytes": int, "max_upload_bytes": int,
     "header_timeout": float, "body_timeout": float, "max_connections": int, "engine_timeout": float,
     # the engine
@@ -81,6 +83,10 @@ class ServerConfig:
     """Least time between two audio decode rounds that hold only later chunks (``AudioPump.round_interval_s``):
     a request's first chunk is decoded at once, a later one up to this much later, and under load fewer,
     larger rounds leave the engine more of its time. 0: a round after every engine step."""
+    audio_thread: bool = False
+    """Run the audio decode rounds on a thread of their own beside the engine's (``AudioPump.thread``; CUDA
+    only, where the decodes are CUDA graphs) instead of between its steps: more audio delivered past the
+    sustained rate, an occasional late chunk there (docs/perf/serve.md)."""
     max_body_bytes: int = 1 << 20
     """Largest request body, else 413 (a request of ``max_input_chars`` characters is a small part of it)."""
     max_upload_bytes: int = 16 << 20
@@ -239,7 +245,7 @@ class ServeSettings:
             max_concurrent=o["max_concurrent"], max_queue=o["max_queue"], max_input_chars=o["max_input_chars"],
             api_key=o["api_key"], voices_dir=o["voices_dir"], max_new_token=o["max_new_token"],
             min_new_token=o["min_new_token"], shutdown_timeout_s=o["shutdown_timeout"], keep_alive_s=o["keep_alive"],
-            audio_round_ms=o["audio_round_ms"], ws_max_contexts=o["ws_max_contexts"],
+            audio_round_ms=o["audio_round_ms"], audio_thread=o["audio_thread"], ws_max_contexts=o["ws_max_contexts"],
             ws_idle_timeout_s=o["ws_idle_timeout"], ws_send_timeout_s=o["ws_send_timeout"],
             send_timeout_s=o["send_timeout"], max_body_bytes=o["max_body_bytes"], max_upload_bytes=o["max_upload_bytes"],
             header_timeout_s=o["header_timeout"], body_timeout_s=o["body_timeout"],

@@ -5,6 +5,7 @@ the audio rounds' pacing."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -15,12 +16,15 @@ from ..device import default_engine_dtype, resolve_device
 from ..gc_freeze import freeze_long_lived
 from ..params import InferCodeParams
 
+logger = logging.getLogger(__name__)
+
 
 def load_chat(load: dict, warmup: bool | None = None, audio_round_ms: float | None = None,
-              threads: int | None = None) -> Chat:
+              threads: int | None = None, audio_thread: bool = False) -> Chat:
     """``Chat().load(**load)`` with the serving defaults: the device (``device.resolve_device``) and engine dtype
     (``device.default_engine_dtype``) where ``load`` leaves them unset; torch's intra-op ``threads``; ``warm_up``
-    when ``warmup`` (default: on CUDA); then ``audio_round_ms`` as the pump's pacing (``ServerConfig``)."""
+    when ``warmup`` (default: on CUDA); then ``audio_round_ms`` as the pump's pacing and ``audio_thread`` as its
+    thread where the decodes are CUDA graphs (``ServerConfig``)."""
     if threads is not None:
         torch.set_num_threads(threads)
     device = resolve_device(load.get("device"))
@@ -30,6 +34,12 @@ def load_chat(load: dict, warmup: bool | None = None, audio_round_ms: float | No
         warm_up(chat)
     if audio_round_ms is not None:
         chat.pipeline.pump.round_interval_s = audio_round_ms / 1000
+    chat.pipeline.pump.thread = audio_thread and chat.audio.graphs is not None
+    if audio_thread and not chat.pipeline.pump.thread:
+        logger.warning("audio_thread is ignored on %s: the audio rounds run between the engine's steps (a thread "
+                       "of their own only where the decodes are CUDA graphs)", device)
+    elif audio_thread:
+        logger.info("audio decode rounds on a thread of their own")
     return chat
 
 

@@ -55,6 +55,8 @@ class EngineSettings:
     """Where registered voices are kept (``VoiceRegistry``'s folder)."""
     audio_round_ms: float | None = None
     """The audio pump's pacing (``load_chat``); None: the pipeline's default."""
+    audio_thread: bool = False
+    """The audio pump's rounds on a thread of their own (``load_chat``)."""
     warmup: bool | None = None
     """``load_chat``'s warm-up; None: on CUDA."""
     threads: int | None = None
@@ -70,7 +72,7 @@ def engine_main(load: dict, settings: EngineSettings, ends: list[EngineEnds]) ->
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(levelname)s [engine process] %(name)s: %(message)s")
-    chat = load_chat(load, settings.warmup, settings.audio_round_ms, settings.threads)
+    chat = load_chat(load, settings.warmup, settings.audio_round_ms, settings.threads, settings.audio_thread)
     host = EngineHost(LocalClient(chat, settings.voices_dir, owns_chat=True, stall_s=settings.stall_s), ends)
     host.announce()
     host.start_beating()
