@@ -203,7 +203,7 @@ def test_serve_options_and_app_builder_arguments_build_one_application(upstream_
     assert scale.autoscaling and (scale.min_replicas, scale.max_replicas) == (1, 3)
     assert scale.gpus_per_replica == 0  # CPU replicas unless asked for GPUs
     assert load == dict(source="custom", custom_path=upstream_ckpt, device="cpu", max_num_seqs=32, kv_cache_gib=None,
-                        engine_dtype=None, max_window_tokens=None)
+                        engine_dtype=None, max_window_tokens=2048)
     assert server.max_concurrent == 8
     # the same options as serve run's key=value arguments: the same settings
     options = {"model": upstream_ckpt, "device": "cpu", "min_replicas": "1", "max_replicas": "3", "max_concurrent": "8"}

@@ -380,12 +380,12 @@ def test_serve_options_map_onto_one_settings_object():
     assert set(vars(build_parser().parse_args(["serve"]))) - {"command", "func"} == set(OPTIONS)
     assert cli() == ServeSettings.from_options({})
     assert cli().load == dict(source="huggingface", device=None, max_num_seqs=256, kv_cache_gib=None, engine_dtype=None,
-                              max_window_tokens=None)  # device and dtype: chosen where the model loads; no cap
+                              max_window_tokens=2048)  # device and dtype: chosen where the model loads
     assert not cli().engine_process and cli().scale is None
     assert cli("--fronts", "3").engine_process  # more than one front: an engine process
     assert cli("--engine-process") == cli("--engine-process", "--fronts", "1")
     assert cli("--max-window-tokens", "0").load["max_window_tokens"] is None  # 0: no cap
-    assert cli("--max-window-tokens", "2048").load["max_window_tokens"] == 2048
+    assert cli("--max-window-tokens", "4096").load["max_window_tokens"] == 4096
     assert not cli().server.audio_thread and cli("--audio-thread").server.audio_thread
     assert cli("--open-window-max-seqs", "0").load["open_window_max_seqs"] == 0  # (default: the engine's,
     assert "open_window_max_seqs" not in cli().load  # which checks the value: EngineConfig)

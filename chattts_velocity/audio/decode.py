@@ -76,7 +76,7 @@ class AudioDecoder:
         """Keep a device tensor made on another CUDA stream (the engine's outputs) from being reused there until
         the work this decoder's stream has queued by the time it is freed is done (a no-op off CUDA). A pump's
         thread (``AudioPump.thread``) decodes while the engine allocates, so a freed input's memory could be
-        rewritten before this stream read it."""
+        rewritten before this stream read it; between the engine's steps each round ends synchronized."""
         if self._side is not None and isinstance(x, Tensor) and x.is_cuda:
             x.record_stream(self._side)
 

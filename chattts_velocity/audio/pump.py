@@ -132,7 +132,8 @@ class Feed:
         outputs = self.stream.take()
         for out in outputs:
             tokens = out.new_hidden_states if self.use_decoder else out.new_token_ids
-            self.pump.audio.hold(tokens)
+            if self.pump.thread:  # decoded while the engine allocates (see ``AudioDecoder.hold``)
+                self.pump.audio.hold(tokens)
             self.audio[out.request_id].push(tokens, finished=out.finished)
         self._outputs += outputs
         self._windows += [w for a in self.audio.values() for w in a.ready()]

@@ -22,11 +22,10 @@ HAPROXY_ENV, DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE
 HAPROXY_RETRY_ENV = "RAY_SERVE_HAPROXY_RETRY_ON"
 """Ray Serve's switches for the ``haproxy`` ingress and its retry policy, read from the environment of every Ray
 process."""
-SERVE_WINDOW_TOKENS = 0
-"""``serve``'s default ``EngineConfig.max_window_tokens`` (0: no cap). A cap shortens the decode windows of large
-batches, so an arriving request waits less for the running one, but each window's end costs the engine its
-report and audio round: at 256 streams a cap of 2048 (8-step windows) delivered less audio, and past the
-highest sustained open-loop rate the queue grew faster (`chattts-velocity bench serve`; docs/perf/serve.md)."""
+SERVE_WINDOW_TOKENS = 2048
+"""``serve``'s default ``EngineConfig.max_window_tokens``: a cap on a decode window's tokens, so arriving requests
+wait less under load (open-loop first audio), at a cost in throughput: 256 closed-loop streams deliver less
+audio than with no cap (`chattts-velocity bench serve`; docs/perf/serve.md)."""
 
 OPTIONS: dict[str, type] = {
     # the model
