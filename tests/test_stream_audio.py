@@ -567,3 +567,30 @@ def test_load_chat_puts_the_audio_rounds_on_a_thread_only_where_the_decodes_are_
         assert "audio_thread is ignored on cpu" in caplog.text
     finally:
         chat.unload()
+
+
+def test_pushes_are_concatenated_once_a_window_is_due_not_once_a_round(monkeypatch):
+    """A round pushes every stream's new tokens and asks it for windows; until a window is due the pushes wait
+    as they are, so a stream's tokens are concatenated once per window rather than once per push (a torch call
+    per stream and round on the engine's thread), and the windows are those of pushing everything at once."""
+    config = StreamConfig(first_chunk=8, lookahead=8)
+    tokens = torch.randn(60, 6, generator=torch.Generator().manual_seed(2))
+    calls = []
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: calls.append(1) or cat(*a, **k))
+    stream, windows, producing = AudioStream(config), [], 0
+    for i in range(60):
+        stream.push(tokens[i : i + 1], finished=i == 59)
+        before = len(calls)
+        got = stream.ready()
+        assert got or len(calls) == before, f"push {i}: concatenated with no window due"
+        producing += bool(got)
+        windows += got
+    monkeypatch.setattr(torch, "cat", cat)
+    ref = AudioStream(config)
+    ref.push(tokens, finished=True)
+    want = ref.ready()
+    assert [(w.start, w.end, w.ctx_start, w.ctx_end, w.final) for w in windows] == \
+        [(w.start, w.end, w.ctx_start, w.ctx_end, w.final) for w in want]
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(windows, want, strict=True))
+    assert len(calls) == producing < 60 // 4, (len(calls), producing)

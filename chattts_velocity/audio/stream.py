@@ -104,7 +104,7 @@ class AudioStream:
         self.decoded_tokens = 0  # tokens run through the decoder (sum of window lengths): the decode work
         self._tokens: Tensor | None = None  # [k, C] tokens from global index self._base on
         self._base = 0
-        self._pending: list[Tensor] = []  # pushed since the last ready(): concatenated once, there
+        self._pending: list[Tensor] = []  # pushed since the last window: concatenated once a window is due
         self._total = 0  # tokens pushed
         self._planned = 0  # tokens covered by windows that ready() returned
         self._emitted = 0  # tokens whose samples accept() returned
@@ -123,7 +123,7 @@ class AudioStream:
     def push(self, tokens: Tensor, finished: bool = False) -> None:
         """Append [n, C] new tokens (n may be 0; C, dtype and device are fixed by the first non-empty push).
         ``finished``: the request ended, so everything left is decodable without look-ahead. The tensor is read
-        at the next ``ready()``: do not overwrite it before."""
+        at the first ``ready()`` that returns a window: do not overwrite it before."""
         if self._finished:
             raise ValueError("push after finished=True: this request has ended; start a new AudioStream")
         self._check(tokens)
@@ -134,6 +134,8 @@ class AudioStream:
 
     def ready(self) -> list[Window]:
         """Every window decodable now, in order; they leave the plan (the next call returns the next ones)."""
+        if not self._window_due():
+            return []  # the pushes wait in ``_pending``: one concatenation once a window is due, not one per push
         self._gather()
         windows = []
         while (window := self._next_window()) is not None:
@@ -187,14 +189,19 @@ class AudioStream:
             self._tokens = torch.cat(kept + self._pending)  # [k, C]
             self._pending = []
 
-    def _next_window(self) -> Window | None:
+    def _window_due(self) -> bool:
+        """Whether ``_next_window`` has a window to return (from the counts alone: nothing is concatenated)."""
         c, start, total = self.config, self._planned, self._total
         size = c.chunk_size(start)
         if not self._finished and start + size + c.lookahead > total:
+            return False
+        return min(start + size, total) != start
+
+    def _next_window(self) -> Window | None:
+        if not self._window_due():
             return None
-        end = min(start + size, total)
-        if end == start:
-            return None
+        c, start, total = self.config, self._planned, self._total
+        end = min(start + c.chunk_size(start), total)
         ctx_start, ctx_end = max(0, start - c.left_context), min(end + c.lookahead, total)
         final = self._finished and end == total
         pad = ctx_end == end and not final  # lookahead 0: one zero token, as to_wavs pads shorter sequences
