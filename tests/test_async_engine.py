@@ -264,6 +264,40 @@ def test_the_engine_times_first_tokens_and_first_audio(chat, make_async):
     assert audio.total_s >= 0.01 and not engine._young
 
 
+def test_first_audio_that_comes_after_the_request_ended_is_timed(chat, make_async, monkeypatch):
+    """A pump on a thread of its own may decode a streamed request's first audio after the engine reported the
+    request's end: a later step times it. One whose audio never comes is forgotten after a while."""
+    from chattts_velocity.engine import async_engine
+
+    class Listener:  # an audio pump whose rounds lag behind: it marks first audio itself, later
+        def mark(self, stream):
+            pass
+
+        def wake(self, hurry=False):
+            pass
+
+        def closed(self, stream):
+            pass
+
+    engine = make_async(num_decode_steps=4)
+    late = engine.add_request(code_prompt(chat, "late"), seeded(0, 200, min_new=200), request_id="late")
+    late.listen(Listener())  # (long before its 50th step: its end)
+    never = engine.add_request(code_prompt(chat, "never"), seeded(1, 200, min_new=200), request_id="never")
+    never.listen(Listener())
+    list(late), list(never)
+    assert engine.wait_idle(30) and engine.stats().engine.first_audio_wait.count == 0
+    late.mark_first_audio("late")  # the lagging round, after the end
+    list(engine.add_request(code_prompt(chat, "next"), seeded(2, 8, min_new=8)))  # steps to look again
+    assert engine.wait_idle(30)
+    times = engine.stats().requests["late"]
+    audio = engine.stats().engine.first_audio_wait
+    assert audio.count == 1 and audio.total_s == pytest.approx(times.first_audio - times.first_token)
+    assert "never" in engine._young
+    monkeypatch.setattr(async_engine, "_LATE_AUDIO_S", 0.0)
+    list(engine.add_request(code_prompt(chat, "later"), seeded(3, 8, min_new=8)))
+    assert engine.wait_idle(30) and "never" not in engine._young and not engine._late
+
+
 def test_shutdown_drains_or_aborts(chat, make_async):
     engine = make_async()
     s1 = engine.add_request(code_prompt(chat, "drain me"), seeded(0, 20, min_new=20))

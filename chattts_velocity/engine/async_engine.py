@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 _RECENT = 1024
 """Finished requests whose timestamps ``stats`` still reports."""
 
+_LATE_AUDIO_S = 10.0
+"""How long a streamed request that finished before its first audio may still get it (its listener's round runs
+on a thread of its own: ``AudioPump.thread``) and be timed (``first_audio_wait``)."""
+
 
 class EngineShutdownError(RuntimeError):
     """The engine was shut down: it takes no new requests."""
@@ -75,6 +79,8 @@ class AsyncLLMEngine:
         self._first_audio_wait = Timings()
         self._young: dict[str, RequestTimes] = {}
         """Requests with a first token and no first audio yet (engine thread): ``_first_audio_wait``."""
+        self._late: dict[str, float] = {}
+        """Those of ``_young`` that finished with a listener on their stream, and when (``_LATE_AUDIO_S``)."""
         _ENGINES.add(self)
 
     @property
@@ -258,7 +264,7 @@ class AsyncLLMEngine:
                     self._first_token_wait.observe(times.first_token - times.queued)
                     self._young[out.request_id] = times
             if out.finished and out.request_id in self._young:
-                ended.append(out.request_id)
+                ended.append((out.request_id, stream is not None and stream.listener is not None))
         listeners = {id(s.listener): s.listener for s in streams if s is not None and s.listener}
         hurry = False
         if listeners:  # the next step, if it leads to first audio, computes on the device during the round
@@ -273,16 +279,24 @@ class AsyncLLMEngine:
             # request waits for the next step on its way to first audio (its prefill or first window)
             listener.wake(hurry=hurry)
         if self._young:
-            self._heard(ended)
+            self._heard(ended, now)
 
-    def _heard(self, ended: list[str]) -> None:
-        """Time the first audio of the young requests that have it now; forget those of ``ended`` without (text
-        requests, or audio decoded whole at the end)."""
+    def _heard(self, ended: list[tuple[str, bool]], now: float) -> None:
+        """Time the first audio of the young requests that have it now; forget those of ``ended`` (request id,
+        whether its stream has a listener) without: at once where nobody listens (text requests, or audio decoded
+        whole at the end), after ``_LATE_AUDIO_S`` where a listener's round may still bring it."""
         heard = [(rid, t) for rid, t in self._young.items() if t.first_audio is not None]
         for rid, times in heard:
             del self._young[rid]
+            self._late.pop(rid, None)
             self._first_audio_wait.observe(times.first_audio - times.first_token)
-        for rid in ended:
+        for rid, listened in ended:
+            if listened:
+                self._late[rid] = now
+            else:
+                self._young.pop(rid, None)
+        for rid in [rid for rid, at in self._late.items() if now - at > _LATE_AUDIO_S]:
+            del self._late[rid]
             self._young.pop(rid, None)
 
     def _take_pending(self) -> bool:
