@@ -266,10 +266,13 @@ def test_the_engine_times_first_tokens_and_first_audio(chat, make_async):
 
 def test_first_audio_that_comes_after_the_request_ended_is_timed(chat, make_async, monkeypatch):
     """A pump on a thread of its own may decode a streamed request's first audio after the engine reported the
-    request's end: a later step times it. One whose audio never comes is forgotten after a while."""
+    request's end: a later step times it. One whose audio never comes is forgotten after a while; one whose
+    pump rounds between the steps (they ran before the engine looked), at once."""
     from chattts_velocity.engine import async_engine
 
     class Listener:  # an audio pump whose rounds lag behind: it marks first audio itself, later
+        thread = True  # (``AudioPump.thread``: rounds on a thread of its own)
+
         def mark(self, stream):
             pass
 
@@ -284,8 +287,11 @@ def test_first_audio_that_comes_after_the_request_ended_is_timed(chat, make_asyn
     late.listen(Listener())  # (long before its 50th step: its end)
     never = engine.add_request(code_prompt(chat, "never"), seeded(1, 200, min_new=200), request_id="never")
     never.listen(Listener())
-    list(late), list(never)
+    between = engine.add_request(code_prompt(chat, "between"), seeded(4, 200, min_new=200), request_id="between")
+    between.listen(type("Between", (Listener,), {"thread": False})())
+    list(late), list(never), list(between)
     assert engine.wait_idle(30) and engine.stats().engine.first_audio_wait.count == 0
+    assert "between" not in engine._young and {"late", "never"} <= set(engine._young)
     late.mark_first_audio("late")  # the lagging round, after the end
     list(engine.add_request(code_prompt(chat, "next"), seeded(2, 8, min_new=8)))  # steps to look again
     assert engine.wait_idle(30)

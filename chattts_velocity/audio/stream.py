@@ -134,7 +134,7 @@ class AudioStream:
 
     def ready(self) -> list[Window]:
         """Every window decodable now, in order; they leave the plan (the next call returns the next ones)."""
-        if not self._window_due():
+        if self._chunk_end() is None:
             return []  # the pushes wait in ``_pending``: one concatenation once a window is due, not one per push
         self._gather()
         windows = []
@@ -182,26 +182,27 @@ class AudioStream:
             )
 
     def _gather(self) -> None:
-        """Concatenate the pending pushes onto the kept tokens (one copy per ready(), bounded by the chunk
-        plan's context rather than by the stream's length)."""
+        """Concatenate the pending pushes onto the kept tokens (one copy per ``ready()`` that returns windows,
+        bounded by the chunk plan's context rather than by the stream's length)."""
         if self._pending:
             kept = [] if self._tokens is None else [self._tokens]
             self._tokens = torch.cat(kept + self._pending)  # [k, C]
             self._pending = []
 
-    def _window_due(self) -> bool:
-        """Whether ``_next_window`` has a window to return (from the counts alone: nothing is concatenated)."""
+    def _chunk_end(self) -> int | None:
+        """One past the last token of the next window's chunk, or None if that window is not decodable yet
+        (from the counts alone: nothing is concatenated)."""
         c, start, total = self.config, self._planned, self._total
         size = c.chunk_size(start)
         if not self._finished and start + size + c.lookahead > total:
-            return False
-        return min(start + size, total) != start
+            return None
+        end = min(start + size, total)
+        return None if end == start else end
 
     def _next_window(self) -> Window | None:
-        if not self._window_due():
+        if (end := self._chunk_end()) is None:
             return None
         c, start, total = self.config, self._planned, self._total
-        end = min(start + c.chunk_size(start), total)
         ctx_start, ctx_end = max(0, start - c.left_context), min(end + c.lookahead, total)
         final = self._finished and end == total
         pad = ctx_end == end and not final  # lookahead 0: one zero token, as to_wavs pads shorter sequences

@@ -80,7 +80,8 @@ class AsyncLLMEngine:
         self._young: dict[str, RequestTimes] = {}
         """Requests with a first token and no first audio yet (engine thread): ``_first_audio_wait``."""
         self._late: dict[str, float] = {}
-        """Those of ``_young`` that finished with a listener on their stream, and when (``_LATE_AUDIO_S``)."""
+        """Those of ``_young`` that finished while their listener's round may still bring their first audio (a
+        listener whose rounds run on a thread of its own: ``AudioPump.thread``), and when (``_LATE_AUDIO_S``)."""
         _ENGINES.add(self)
 
     @property
@@ -264,7 +265,8 @@ class AsyncLLMEngine:
                     self._first_token_wait.observe(times.first_token - times.queued)
                     self._young[out.request_id] = times
             if out.finished and out.request_id in self._young:
-                ended.append((out.request_id, stream is not None and stream.listener is not None))
+                # its first audio may still come where the listener's rounds run on a thread of their own
+                ended.append((out.request_id, getattr(stream and stream.listener, "thread", False)))
         listeners = {id(s.listener): s.listener for s in streams if s is not None and s.listener}
         hurry = False
         if listeners:  # the next step, if it leads to first audio, computes on the device during the round
@@ -283,8 +285,9 @@ class AsyncLLMEngine:
 
     def _heard(self, ended: list[tuple[str, bool]], now: float) -> None:
         """Time the first audio of the young requests that have it now; forget those of ``ended`` (request id,
-        whether its stream has a listener) without: at once where nobody listens (text requests, or audio decoded
-        whole at the end), after ``_LATE_AUDIO_S`` where a listener's round may still bring it."""
+        whether a later round may bring its first audio) without: at once where none can (text requests, audio
+        decoded whole at the end, rounds between the steps, which ran before this), else after
+        ``_LATE_AUDIO_S``."""
         heard = [(rid, t) for rid, t in self._young.items() if t.first_audio is not None]
         for rid, times in heard:
             del self._young[rid]
