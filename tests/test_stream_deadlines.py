@@ -53,13 +53,8 @@ class FakeDecoder:
     def __init__(self, log: list):
         self.log = log
 
-    device = torch.device("cpu")
-
     def stream(self):
         return contextlib.nullcontext()
-
-    def hold(self, x):
-        pass
 
     def to_wavs(self, results, use_decoder, tf32=None):
         self.log.append(("decode", sorted(int(r[0, 0]) for r in results)))
