@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import ast
+import faulthandler
 import importlib.util
 import os
 import sys
@@ -8,6 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+faulthandler.enable()  # before pytest's own, so a crash after the run (at the interpreter's exit) prints every thread
 
 OPTIONAL = ("ray", "gradio", "gradio_client", "openai", "av", "livekit", "pipecat", "websockets", "playwright",
             "matplotlib", "multipart")
@@ -76,4 +78,5 @@ def chat(upstream_ckpt):
 
     c = Chat()
     c.load(source="custom", custom_path=upstream_ckpt, device="cpu")
-    return c
+    yield c
+    c.unload()

@@ -346,6 +346,58 @@ def test_a_pump_thread_runs_the_rounds_so_wake_returns_at_once(chat, monkeypatch
     assert pump._worker is not None and pump._worker is not worker
 
 
+def test_a_pump_thread_stops_at_exit_after_serving_the_wake_it_has(chat):
+    """``stop_thread`` (what the pump module runs at exit for every pump whose thread started): a wake that
+    came during the thread's round is still served, then the thread ends, and later wakes run their rounds on
+    the waking thread."""
+    import threading
+
+    from chattts_velocity.audio import AudioPump
+    from chattts_velocity.audio import pump as pump_module
+    from chattts_velocity.engine import RequestStream
+
+    pump, engine = AudioPump(chat.audio, thread=True), _Engine()
+    gate, entered, threads = threading.Event(), threading.Event(), []
+    decode = pump.decode
+
+    def held(windows, use_decoder):
+        threads.append(threading.current_thread().name)
+        entered.set()
+        gate.wait(10)
+        return decode(windows, use_decoder)
+
+    pump.decode = held
+    config = StreamConfig(first_chunk=8, lookahead=8)
+    tokens = _tokens(chat, 90, True, seed=6)
+    stream = RequestStream(engine, ["r"])
+    feed = pump.open(stream, config, use_decoder=True)
+    stream.deliver(_out("r", tokens[:20], False, 20), 0.0)
+    pump.wake()
+    assert entered.wait(10)
+    worker = pump._worker
+    stream.deliver(_out("r", tokens[20:50], False, 50), 0.0)
+    pump.wake()  # pending while the round decodes
+    assert pump in pump_module._THREADED
+    stopper = threading.Thread(target=pump_module._stop_threads)
+    stopper.start()
+    gate.set()
+    stopper.join(10)
+    assert not stopper.is_alive() and not worker.is_alive() and pump._worker is None and not pump.thread
+    assert not stream.has_outputs(), "the wake pending at the stop should have been served"
+    served = len(threads)
+    assert served >= 2 and set(threads) == {"chattts-velocity-audio"}, threads
+    stream.deliver(_out("r", tokens[50:], True, 90), 0.0)
+    pump.wake()  # on this thread now
+    assert threads[served:] and set(threads[served:]) == {threading.current_thread().name}, threads
+    got = np.concatenate([x for d in feed for x in d.samples.get("r", [])])
+    ref = AudioStream(config)
+    ref.push(tokens, finished=True)
+    windows = ref.ready()
+    want = np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, decode_windows(chat.audio, windows, True),
+                                                                strict=True)])
+    assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
+
+
 def test_audio_pump_ends_a_closed_stream_and_reports_a_failed_request(chat):
     import threading
 

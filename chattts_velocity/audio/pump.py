@@ -18,11 +18,13 @@ every step since the one before. What a round decodes, and when (first audio, de
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -274,7 +276,18 @@ class AudioPump:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="chattts-velocity-audio", daemon=True)
                 self._worker.start()
+                _THREADED.add(self)
             self._signal.notify()
+
+    def stop_thread(self, timeout: float | None = None) -> None:
+        """From now on run the rounds on the waking thread (``thread`` off); the pump's thread, if it runs,
+        finishes the round it is in and ends. Waits up to ``timeout`` seconds for it."""
+        with self._signal:
+            self.thread = False
+            worker = self._worker
+            self._signal.notify()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
 
     def _work(self) -> None:
         """The pump's thread: a wake's rounds each time one came; it ends after ``WORKER_IDLE_S`` without."""
@@ -282,7 +295,8 @@ class AudioPump:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             while True:
                 with self._signal:
-                    if not self._signal.wait_for(lambda: self._woken, WORKER_IDLE_S):
+                    self._signal.wait_for(lambda: self._woken or not self.thread, WORKER_IDLE_S)
+                    if not self._woken:  # idle, or ``stop_thread`` (a wake before it is served first)
                         self._worker = None
                         return
                     self._woken = False
@@ -422,3 +436,14 @@ class AudioPump:
 def _urgent(feed: Feed, ready: list[Window]) -> bool:
     """A window that cannot wait for the next full round: a request's first audio, or its last."""
     return any(w.start == 0 or w.final for w in ready) or feed.stream.exhausted()
+
+
+_THREADED: weakref.WeakSet[AudioPump] = weakref.WeakSet()
+"""Pumps whose thread was started."""
+
+
+@atexit.register
+def _stop_threads() -> None:
+    """At exit, end the pumps' threads before the interpreter (and torch) tear down under a round."""
+    for pump in list(_THREADED):
+        pump.stop_thread(timeout=5)
