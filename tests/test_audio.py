@@ -295,6 +295,27 @@ def test_graph_decode_function_equals_the_eager_decode(ours):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_vocos_decode_is_the_package_decode_bit_for_bit(ours):
+    """``vocos_decode`` (the eager decode's vocoder, its head's spectrum built by ``head_spectrum``) gives exactly
+    ``Vocos.decode``'s samples, also at magnitudes the head clips, and the spectrum is the head's own."""
+    from chattts_velocity.audio.vocoder import head_spectrum, vocos_decode
+
+    gen = torch.Generator().manual_seed(3)
+    mel = torch.randn(4, 100, 40, generator=gen)
+    with torch.inference_mode():
+        features = ours.vocos.backbone(mel)
+        head = ours.vocos.head
+        mag, phase = head.out(features).transpose(1, 2).chunk(2, dim=1)
+        assert mag.abs().max() > 0
+        want_spec = torch.exp(mag).clip(max=1e2) * (torch.cos(phase) + 1j * torch.sin(phase))
+        assert torch.equal(head_spectrum(head, features), want_spec)
+        assert torch.equal(vocos_decode(ours.vocos, mel), ours.vocos.decode(mel))
+        loud = features * 50  # magnitudes past the clip
+        spec = head_spectrum(head, loud)
+        assert (spec.abs() > 99).any() and spec.abs().max() <= 1e2 * (1 + 1e-6)
+        assert torch.equal(head.istft(spec), head(loud))
+
+
 def test_use_graphs_is_a_no_op_off_cuda(ours):
     ours.use_graphs((16, 48), capture=True)
     assert ours.graphs is None

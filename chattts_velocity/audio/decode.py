@@ -13,6 +13,7 @@ from vocos import Vocos
 
 from .dvae import DVAE
 from .graphs import DecodeGraphs
+from .vocoder import vocos_decode
 
 
 def _to_host(x: Tensor) -> np.ndarray:
@@ -96,7 +97,7 @@ class AudioDecoder:
                 return _to_host(wav)
             mel = (self.decoder if use_decoder else self.dvae).decode(batch)  # [B, n_mels, 2T]
             vocos_device = next(self.vocos.parameters()).device
-            wav = self.vocos.decode(mel.to(vocos_device))
+            wav = vocos_decode(self.vocos, mel.to(vocos_device))
         return _to_host(wav.float())  # [B, S]
 
     def to_wav_list(self, results: list[Tensor], use_decoder: bool, tf32: bool | None = None) -> list[np.ndarray]:

@@ -22,6 +22,7 @@ from torch import Tensor
 from vocos import Vocos
 
 from .dvae import DVAE
+from .vocoder import head_spectrum
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +60,9 @@ def window_envelope(window: Tensor, frames: int, hop: int) -> Tensor:
 def decode_wav(decoder: DVAE, vocos: Vocos, x: Tensor, envelope: Tensor | None = None) -> Tensor:
     """Hidden states [B, H, T] -> wav [B, (2T - 1) * 256]: ``vocos.decode(decoder.decode(x))`` with the head's
     iSTFT as ``istft_center``."""
-    head = vocos.head
-    spec = head.out(vocos.backbone(decoder.decode(x))).transpose(1, 2)  # [B, n_fft + 2, F]
-    mag, phase = spec.chunk(2, dim=1)
-    mag = torch.exp(mag).clip(max=1e2)  # as Vocos's ISTFTHead
-    istft = head.istft
-    return istft_center(mag * (torch.cos(phase) + 1j * torch.sin(phase)), istft.n_fft, istft.hop_length,
-                        istft.window, envelope)
+    istft = vocos.head.istft
+    spec = head_spectrum(vocos.head, vocos.backbone(decoder.decode(x)))  # [B, n_fft / 2 + 1, F]
+    return istft_center(spec, istft.n_fft, istft.hop_length, istft.window, envelope)
 
 
 class DecodeGraphs:
