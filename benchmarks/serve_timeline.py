@@ -105,7 +105,7 @@ def instrument(chat):
     def timed_decode(windows, use_decoder):
         t0 = time.perf_counter()
         out = decode(windows, use_decoder)
-        lengths = sorted({w.tokens.shape[0] for w in windows})
+        lengths = sorted({w.length for w in windows})
         log["decodes"].append((t0, time.perf_counter(), len(windows), lengths))
         return out
 

@@ -140,8 +140,9 @@ class Pipeline:
         return JoinedAudio(self, self.engine.make_sequences(prompts, params), use_decoder, in_flight)
 
     def feed(self, stream: RequestStream, use_decoder: bool, notify=None):
-        """Start turning ``stream``'s outputs into audio (``AudioPump.open``)."""
-        return self.pump.open(stream, self.stream_config, use_decoder, notify)
+        """Start turning ``stream``'s outputs into audio (``AudioPump.open``), delivered only with audio or a
+        request's end (``Feed.every_round`` off: its readers take only the audio)."""
+        return self.pump.open(stream, self.stream_config, use_decoder, notify, every_round=False)
 
     def samples(self, stream: RequestStream, use_decoder: bool, notify=None, feed=None) -> Iterator[np.ndarray]:
         """One request's audio as it is generated (each chunk decoded once, batched with other calls'). With

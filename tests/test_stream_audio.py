@@ -126,13 +126,13 @@ def test_batched_windows_equal_each_stream_alone(chat, monkeypatch):
     inputs = [_tokens(chat, n, use_decoder=True, seed=i) for i, n in enumerate(lengths)]
     streams = [AudioStream(StreamConfig(first_chunk=f, chunk=20)) for f in firsts]
     alone = [_stream(chat, x, True, s.config)[0] for x, s in zip(inputs, streams, strict=True)]
-    calls, to_wavs = [], chat.audio.to_wavs
+    calls, to_wavs = [], chat.audio.to_wavs_stacked
 
     def counting_to_wavs(batch, *args, **kwargs):
         calls.append(len(batch))
         return to_wavs(batch, *args, **kwargs)
 
-    monkeypatch.setattr(chat.audio, "to_wavs", counting_to_wavs)
+    monkeypatch.setattr(chat.audio, "to_wavs_stacked", counting_to_wavs)
     outs, at, step = [[] for _ in streams], 0, 0
     while not all(s.done for s in streams):
         size, windows = 1 + (step * 7) % 17, []
@@ -621,28 +621,43 @@ def test_load_chat_puts_the_audio_rounds_on_a_thread_only_where_the_decodes_are_
         chat.unload()
 
 
-def test_pushes_are_concatenated_once_a_window_is_due_not_once_a_round(monkeypatch):
-    """A round pushes every stream's new tokens and asks it for windows; until a window is due the pushes wait
-    as they are, so a stream's tokens are concatenated once per window rather than once per push (a torch call
-    per stream and round on the engine's thread), and the windows are those of pushing everything at once."""
+def test_windows_are_views_of_the_pushes_and_a_decode_call_copies_once(chat, monkeypatch):
+    """A round pushes every stream's new tokens and asks it for windows: a window holds views of the pushes it
+    spans, never a copy (no torch call per stream on the engine's thread), and ``decode_windows`` copies a
+    call's windows into one batch with a single concatenation. The windows are those of pushing everything
+    at once, and so are their samples."""
     config = StreamConfig(first_chunk=8, lookahead=8)
-    tokens = torch.randn(60, 6, generator=torch.Generator().manual_seed(2))
+    tokens = torch.randn(90, chat.model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     calls = []
     cat = torch.cat
     monkeypatch.setattr(torch, "cat", lambda *a, **k: calls.append(1) or cat(*a, **k))
-    stream, windows, producing = AudioStream(config), [], 0
-    for i in range(60):
-        stream.push(tokens[i : i + 1], finished=i == 59)
-        before = len(calls)
-        got = stream.ready()
-        assert got or len(calls) == before, f"push {i}: concatenated with no window due"
-        producing += bool(got)
-        windows += got
-    monkeypatch.setattr(torch, "cat", cat)
+    stream, windows, at, sizes, pushes = AudioStream(config), [], 0, [1, 3, 2, 8, 1, 5], []
+    for i in range(40):
+        size = min(sizes[i % len(sizes)], 90 - at)
+        if size == 0:
+            break
+        pushed = tokens[at : at + size].clone()
+        pushes.append(pushed)
+        stream.push(pushed, finished=at + size == 90)
+        at += size
+        windows += stream.ready()
+    assert at == 90 and stream._finished
+    assert calls == [], "ready() copied tokens"
+    for w in windows:
+        assert sum(p.shape[0] for p in w.pieces) == w.length == w.ctx_end - w.ctx_start
+        assert all(any(p.untyped_storage().data_ptr() == q.untyped_storage().data_ptr() for q in pushes)
+                   for p in w.pieces)
+    assert any(len(w.pieces) > 1 for w in windows)
     ref = AudioStream(config)
     ref.push(tokens, finished=True)
     want = ref.ready()
     assert [(w.start, w.end, w.ctx_start, w.ctx_end, w.final) for w in windows] == \
         [(w.start, w.end, w.ctx_start, w.ctx_end, w.final) for w in want]
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(windows, want, strict=True))
-    assert len(calls) == producing < 60 // 4, (len(calls), producing)
+    calls.clear()
+    got = decode_windows(chat.audio, windows, True)
+    lengths = {w.length for w in windows}
+    assert len(calls) == len(lengths), (len(calls), lengths)  # one copy per decode call, none per window
+    monkeypatch.setattr(torch, "cat", cat)
+    for a, b in zip(got, decode_windows(chat.audio, want, True), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

@@ -60,6 +60,9 @@ class FakeDecoder:
         self.log.append(("decode", sorted(int(r[0, 0]) for r in results)))
         return np.stack([np.full((2 * r.shape[0] - 1) * 256, float(r[0, 0]), np.float32) for r in results])
 
+    def to_wavs_stacked(self, stacked, use_decoder, tf32=None):
+        return self.to_wavs(list(stacked), use_decoder, tf32)
+
 
 class Aborts:
     def abort(self, rid):

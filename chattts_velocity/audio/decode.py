@@ -88,14 +88,25 @@ class AudioDecoder:
         ``tf32`` overrides the decoder's setting for this call."""
         if not results:
             return np.array([], dtype=np.float32)
-        batch, equal = self._pad(results)  # [B, C, T]
+        return self._decode(*self._pad(results), use_decoder, tf32)
+
+    @torch.inference_mode()
+    def to_wavs_stacked(self, stacked: Tensor, use_decoder: bool, tf32: bool | None = None) -> np.ndarray:
+        """``to_wavs`` of B sequences of one length already in one tensor [B, T, C] (stream windows: no copy per
+        sequence)."""
+        if stacked.dim() != 3 or stacked.shape[0] == 0:
+            raise ValueError(f"stacked must be a non-empty [B, T, C] tensor, got {tuple(stacked.shape)}")
+        return self._decode(stacked.to(self.device).transpose(1, 2), True, use_decoder, tf32)
+
+    def _decode(self, batch: Tensor, equal: bool, use_decoder: bool, tf32: bool | None) -> np.ndarray:
+        """[B, C, T] (a view is fine) -> float32 wavs [B, S] on the host; ``equal``: no row is padded."""
         tf32 = self.tf32 if tf32 is None else tf32
         with self._precision(tf32):
             # stream windows (one length, no padding): a CUDA graph replay where one takes the shape
             wav = self.graphs.run(batch, tf32) if self.graphs is not None and use_decoder and equal else None
             if wav is not None:
                 return _to_host(wav)
-            mel = (self.decoder if use_decoder else self.dvae).decode(batch)  # [B, n_mels, 2T]
+            mel = (self.decoder if use_decoder else self.dvae).decode(batch.contiguous())  # [B, n_mels, 2T]
             vocos_device = next(self.vocos.parameters()).device
             wav = vocos_decode(self.vocos, mel.to(vocos_device))
         return _to_host(wav.float())  # [B, S]
@@ -153,9 +164,8 @@ class AudioDecoder:
         first = results[0]
         if (equal and first.device.type == self.device.type
                 and all((r.dtype, r.device) == (first.dtype, first.device) for r in results)):
-            # equal lengths (every batch of stream windows): one stack, not one copy per row (a round of 256
-            # windows launched 256 copies)
-            return torch.stack(results).transpose(1, 2).contiguous(), True
+            # equal lengths: one stack, not one copy per row
+            return torch.stack(results).transpose(1, 2), True
         batch = torch.zeros((len(results), width, longest), dtype=results[0].dtype, device=self.device)
         for row, r in zip(batch, results, strict=True):
             row[:, : r.shape[0]].copy_(r.T)

@@ -88,10 +88,16 @@ class Feed:
 
     Without ``notify`` iteration blocks until the next delivery (a reader thread per feed). With it, iteration
     never blocks: it yields ``PENDING`` when nothing is there, and ``notify()`` is called (on the pump's thread)
-    after each new item, so one event loop can read many feeds without a thread each."""
+    after each new item, so one event loop can read many feeds without a thread each.
 
-    def __init__(self, pump: AudioPump, stream, config: StreamConfig, use_decoder: bool, notify=None):
+    ``every_round``: a delivery for every round that took outputs of the stream, audio or not (a progress bar
+    moves with each); False: outputs without audio wait for the feed's next audio, a finished request or its
+    end, so a reader that wants only audio is not woken (nor its ``notify`` called) for nothing."""
+
+    def __init__(self, pump: AudioPump, stream, config: StreamConfig, use_decoder: bool, notify=None,
+                 every_round: bool = True):
         self.pump, self.stream, self.use_decoder, self.notify = pump, stream, use_decoder, notify
+        self.every_round = every_round
         self.audio = {rid: AudioStream(config) for rid in stream.request_ids}
         self.owner = {id(a): rid for rid, a in self.audio.items()}
         self._out: queue.SimpleQueue = queue.SimpleQueue()
@@ -224,10 +230,11 @@ class AudioPump:
         self.num_calls = 0
         """Decode calls so far (one per decoder kind for each group of a round's windows)."""
 
-    def open(self, stream, config: StreamConfig, use_decoder: bool, notify=None) -> Feed:
+    def open(self, stream, config: StreamConfig, use_decoder: bool, notify=None, every_round: bool = True) -> Feed:
         """Start turning ``stream``'s outputs into audio (outputs that arrived before are taken at once: on this
-        thread, or with ``notify`` (a reader that must not block, see ``Feed``) on a thread of their own)."""
-        feed = Feed(self, stream, config, use_decoder, notify)
+        thread, or with ``notify`` (a reader that must not block, see ``Feed``) on a thread of their own).
+        ``every_round``: see ``Feed``."""
+        feed = Feed(self, stream, config, use_decoder, notify, every_round)
         with self._lock:
             self._feeds[id(stream)] = feed
         stream.listen(self)
@@ -417,8 +424,11 @@ class AudioPump:
                 feed.started.setdefault(rid, now)
                 feed.stream.mark_first_audio(rid)
             delivery.done = frozenset(rid for rid, a in feed.audio.items() if a.done)
-            if outputs or delivery.samples:
+            if delivery.samples or (outputs and (feed.every_round or delivery.done
+                                                 or any(out.finished for out in outputs))):
                 sends.append((feed, delivery))
+            else:  # (see ``Feed.every_round``) they go out with the feed's next delivery
+                feed._outputs = outputs
             if feed.stream.exhausted():
                 sends.append((feed, _END))
             elif feed.stream.has_outputs():  # it stopped before a failed request's output: take that next

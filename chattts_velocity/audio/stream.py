@@ -15,6 +15,7 @@ W tokens from ctx_start decodes to (2W - 1) * 256 samples, local sample i being 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,9 +74,13 @@ class Window:
 
     stream: AudioStream
     """The stream whose ``accept`` takes the decoded samples."""
-    tokens: Tensor
-    """[W, C] the window's input (hidden states or codes); one zero token is appended when there is no token
-    after a non-final chunk (lookahead 0), because W tokens decode 256 samples short of 512 W."""
+    pieces: tuple[Tensor, ...]
+    """The window's input (hidden states or codes) in the pieces it was pushed in, [n_i, C] each, W tokens in
+    all: views of the pushes, never copied here (``decode_windows`` copies a whole call's windows at once). One
+    zero token is appended when there is no token after a non-final chunk (lookahead 0), because W tokens
+    decode 256 samples short of 512 W."""
+    length: int
+    """W: the tokens the window decodes (its pieces' together)."""
     start: int
     """First token of the chunk (global index)."""
     end: int
@@ -86,6 +91,11 @@ class Window:
     """One past the last real token decoded: end + lookahead, clipped at the stream's end once it finished."""
     final: bool
     """The last window of its stream: its samples stop at the offline length."""
+
+    @property
+    def tokens(self) -> Tensor:
+        """[W, C] the window's input as one tensor (a copy where it spans pushes)."""
+        return self.pieces[0] if len(self.pieces) == 1 else torch.cat(self.pieces)
 
 
 class AudioStream:
@@ -102,9 +112,8 @@ class AudioStream:
         self.config = config or StreamConfig()
         self._lengths = sorted(self.config.window_lengths())
         self.decoded_tokens = 0  # tokens run through the decoder (sum of window lengths): the decode work
-        self._tokens: Tensor | None = None  # [k, C] tokens from global index self._base on
-        self._base = 0
-        self._pending: list[Tensor] = []  # pushed since the last window: concatenated once a window is due
+        self._pushes: list[Tensor] = []  # the non-empty pushes still needed as context, as pushed (never copied)
+        self._starts: list[int] = []  # the global index of each one's first token
         self._total = 0  # tokens pushed
         self._planned = 0  # tokens covered by windows that ready() returned
         self._emitted = 0  # tokens whose samples accept() returned
@@ -123,25 +132,25 @@ class AudioStream:
     def push(self, tokens: Tensor, finished: bool = False) -> None:
         """Append [n, C] new tokens (n may be 0; C, dtype and device are fixed by the first non-empty push).
         ``finished``: the request ended, so everything left is decodable without look-ahead. The tensor is read
-        at the first ``ready()`` that returns a window: do not overwrite it before."""
+        when its windows are decoded: do not overwrite it before."""
         if self._finished:
             raise ValueError("push after finished=True: this request has ended; start a new AudioStream")
         self._check(tokens)
         if tokens.shape[0]:
-            self._pending.append(tokens)
+            self._pushes.append(tokens)
+            self._starts.append(self._total)
             self._total += tokens.shape[0]
         self._finished = finished
 
     def ready(self) -> list[Window]:
         """Every window decodable now, in order; they leave the plan (the next call returns the next ones)."""
         if self._chunk_end() is None:
-            return []  # the pushes wait in ``_pending``: one concatenation once a window is due, not one per push
-        self._gather()
+            return []
         windows = []
         while (window := self._next_window()) is not None:
             windows.append(window)
             self._planned = window.end
-            self.decoded_tokens += window.tokens.shape[0]
+            self.decoded_tokens += window.length
         self._drop_old_tokens()
         return windows
 
@@ -155,7 +164,7 @@ class AudioStream:
                 f"accept windows in the order ready() returned them: expected the chunk starting at token "
                 f"{self._emitted}, got {window.start}"
             )
-        want = (2 * window.tokens.shape[0] - 1) * HOP_LENGTH
+        want = (2 * window.length - 1) * HOP_LENGTH
         if not isinstance(wav, np.ndarray) or wav.shape != (want,):
             got = tuple(wav.shape) if isinstance(wav, np.ndarray) else type(wav).__name__
             raise ValueError(f"wav must be a 1-D numpy array of {want} samples for this window, got {got}")
@@ -171,7 +180,7 @@ class AudioStream:
         if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[1] == 0:
             got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be a 2-D tensor [n, C] (hidden states or codes), got {got}")
-        like = self._pending[0] if self._pending else self._tokens
+        like = self._pushes[0] if self._pushes else None
         if like is None or tokens.shape[0] == 0:  # an empty push adds nothing, wherever it lives
             return
         if (tokens.shape[1], tokens.dtype, tokens.device) != (like.shape[1], like.dtype, like.device):
@@ -180,14 +189,6 @@ class AudioStream:
                 f"tokens must be [n, {like.shape[1]}] {like.dtype} on {like.device} like the first "
                 f"push, got {got}"
             )
-
-    def _gather(self) -> None:
-        """Concatenate the pending pushes onto the kept tokens (one copy per ``ready()`` that returns windows,
-        bounded by the chunk plan's context rather than by the stream's length)."""
-        if self._pending:
-            kept = [] if self._tokens is None else [self._tokens]
-            self._tokens = torch.cat(kept + self._pending)  # [k, C]
-            self._pending = []
 
     def _chunk_end(self) -> int | None:
         """One past the last token of the next window's chunk, or None if that window is not decodable yet
@@ -210,18 +211,30 @@ class AudioStream:
         longer = next((m for m in self._lengths if m >= n), n)
         if longer - n <= ctx_start:  # cut short by the stream's end: more left context, a usual length
             ctx_start -= longer - n
-        tokens = self._tokens[ctx_start - self._base : ctx_end - self._base]  # [W, C]
+        pieces = self._slice(ctx_start, ctx_end)
         if pad:
-            tokens = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])  # [W + 1, C]
-        return Window(self, tokens, start, end, ctx_start, ctx_end, final)
+            pieces.append(pieces[-1].new_zeros(1, pieces[-1].shape[1]))
+        return Window(self, tuple(pieces), ctx_end - ctx_start + pad, start, end, ctx_start, ctx_end, final)
+
+    def _slice(self, first: int, stop: int) -> list[Tensor]:
+        """Global tokens [first, stop) as views of the pushes that hold them, in order."""
+        i = max(bisect.bisect_right(self._starts, first) - 1, 0)
+        pieces = []
+        while i < len(self._pushes) and self._starts[i] < stop:
+            push, at = self._pushes[i], self._starts[i]
+            n = push.shape[0]
+            whole = first <= at and at + n <= stop  # (a view costs a torch call)
+            pieces.append(push if whole else push[max(first - at, 0) : min(stop - at, n)])
+            i += 1
+        return pieces
 
     def _drop_old_tokens(self) -> None:
         """Keep only the tokens the next window can read: from its left context (and as many more as a
         window cut short may take) on."""
         keep = max(0, self._planned - self.config.left_context - self._lengths[-1])  # (see the class)
-        if self._tokens is not None and keep > self._base:
-            self._tokens = self._tokens[keep - self._base :]
-            self._base = keep
+        drop = bisect.bisect_right(self._starts, keep) - 1  # pushes wholly before ``keep``
+        if drop > 0:
+            del self._pushes[:drop], self._starts[:drop]
 
 
 def decode_windows(
@@ -232,10 +245,12 @@ def decode_windows(
     window's (2W - 1) * 256 samples, in order, for ``Window.stream.accept``."""
     by_len: dict[int, list[int]] = {}
     for i, window in enumerate(windows):
-        by_len.setdefault(window.tokens.shape[0], []).append(i)
+        by_len.setdefault(window.length, []).append(i)
     wavs: list[np.ndarray | None] = [None] * len(windows)
-    for idx in by_len.values():
-        batch = audio.to_wavs([windows[i].tokens for i in idx], use_decoder, tf32)  # [B, (2W - 1) * 256]
+    for length, idx in by_len.items():
+        # the call's windows in one copy: their pieces end to end are the windows stacked, [B * W, C]
+        stacked = torch.cat([p for i in idx for p in windows[i].pieces])
+        batch = audio.to_wavs_stacked(stacked.view(len(idx), length, -1), use_decoder, tf32)  # [B, (2W-1)*256]
         for i, wav in zip(idx, batch, strict=True):
             wavs[i] = wav
     return wavs
