@@ -12,14 +12,21 @@ slows them alike, and the median (and the best) is reported.
   windows timed in turn.
 - ``audio``: the wav decode (Decoder + Vocos) of one sequence at the offline length and at each stream
   window's length, float32 against bfloat16 autocast (with the SNR of its wav against float32's).
+- ``rounds``: what the audio pump's rounds cost the thread that runs them, on the host, at ``--streams``
+  streams of 500 tokens handed over in 8-step windows (a loaded GPU server's engine thread runs one after
+  each window): the windows' decode is a stand-in for a CUDA graph replay whose device work is free (the
+  copy into its input, zeros out), so what is timed is the rounds' own work; feeds that deliver every round
+  (a progress bar's) against those that deliver only with audio (a server's).
 
     python benchmarks/cpu_speed.py --parts linears step audio --batch 1 8
+    python benchmarks/cpu_speed.py --parts rounds --streams 64 256
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import statistics
 import time
 from collections.abc import Callable
@@ -28,10 +35,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chattts_velocity.audio import AudioDecoder, StreamConfig
+from chattts_velocity.audio import AudioDecoder, AudioPump, StreamConfig
+from chattts_velocity.audio.pump import PENDING
 from chattts_velocity.bench.agreement import snr_db
 from chattts_velocity.bench.runner import bench_prompt, load_model
-from chattts_velocity.engine import EngineConfig, LLMEngine, Prompt, SamplingParams
+from chattts_velocity.engine import (
+    EngineConfig,
+    FinishReason,
+    LLMEngine,
+    Prompt,
+    RequestOutput,
+    RequestStream,
+    SamplingParams,
+)
 from chattts_velocity.engine.engine_config import ENGINE_DTYPES
 from chattts_velocity.kernels.linear import CpuWeight
 
@@ -136,6 +152,62 @@ def audio(model, tokens: int, rounds: int) -> None:
               f"{snr_db(wavs[False], wavs[True]):.1f} dB", flush=True)
 
 
+CAN_HOLD = "every_round" in inspect.signature(AudioPump.open).parameters
+
+
+class FreeReplay:
+    """Stands in for ``AudioDecoder.graphs``: copies a batch into a static input as a replay does; the wavs are
+    zeros."""
+
+    def __init__(self):
+        self.inputs: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def run(self, x: torch.Tensor, tf32: bool) -> torch.Tensor:
+        inp = self.inputs.setdefault(tuple(x.shape), torch.empty(x.shape))
+        inp.copy_(x)
+        return torch.zeros(x.shape[0], (2 * x.shape[2] - 1) * 256)
+
+
+def rounds(streams: list[int], rounds_: int, tokens: int = 500, steps: int = 8, hidden: int = 768) -> None:
+    print(f"rounds: ms of host time an audio round, {tokens} tokens a stream in windows of {steps} steps")
+    for n in streams:
+        runs = {name: functools.partial(round_ms, n, tokens, steps, hidden, every)
+                for name, every in (("every round", True), ("with audio", False)) if every or CAN_HOLD}
+        print(f"  {n} streams: {summary(turns(runs, rounds_))}", flush=True)
+
+
+def round_ms(n: int, tokens: int, steps: int, hidden: int, every_round: bool) -> float:
+    """One run of ``n`` streams through an ``AudioPump`` (their readers drained between rounds, untimed): ms
+    per round spent in ``wake``."""
+    audio = AudioDecoder(None, None, None, torch.device("cpu"))
+    audio.graphs = FreeReplay()
+    pump = AudioPump(audio)
+    streams = [RequestStream(_NoEngine(), [f"r{i}"]) for i in range(n)]
+    kw = {} if every_round else {"every_round": False}  # (the default: so a tree before the option runs too)
+    feeds = [iter(pump.open(s, StreamConfig(), True, notify=lambda: None, **kw)) for s in streams]
+    states = torch.randn(n, steps, hidden)
+    spent, count, done = 0.0, 0, 0
+    while done < tokens:
+        k = min(steps, tokens - done)
+        done += k
+        for i, s in enumerate(streams):
+            s.deliver(RequestOutput(f"r{i}", new_token_ids=torch.zeros(k, 4, dtype=torch.int64),
+                                    new_hidden_states=states[i, :k], num_generated=done, finished=done == tokens,
+                                    finish_reason=FinishReason.LENGTH if done == tokens else None), 0.0)
+        start = time.perf_counter()
+        pump.wake()
+        spent, count = spent + time.perf_counter() - start, count + 1
+        for feed in feeds:
+            while next(feed, None) not in (PENDING, None):
+                pass
+    return spent * 1e3 / count
+
+
+class _NoEngine:
+    def abort(self, rid: str) -> None:
+        pass
+
+
 def decode(decoder: AudioDecoder, hidden: torch.Tensor, bf16: bool, out: dict[bool, np.ndarray]) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         out[bf16] = decoder.to_wavs([hidden], use_decoder=True)[0]
@@ -143,7 +215,9 @@ def decode(decoder: AudioDecoder, hidden: torch.Tensor, bf16: bool, out: dict[bo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", nargs="+", default=["linears", "step", "audio"], choices=["linears", "step", "audio"])
+    ap.add_argument("--parts", nargs="+", default=["linears", "step", "audio"],
+                    choices=["linears", "step", "audio", "rounds"])
+    ap.add_argument("--streams", type=int, nargs="+", default=[64, 256], help="rounds: streams at once")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="rows of the linears, batch of the step")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16", "bfloat16", "int8"], choices=ENGINE_DTYPES)
     ap.add_argument("--rounds", type=int, default=7)
@@ -156,6 +230,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median (best) over {args.rounds} rounds")
     if "linears" in args.parts:
         linears(args.batch, args.rounds)
+    if "rounds" in args.parts:
+        rounds(args.streams, args.rounds)
     if "step" in args.parts or "audio" in args.parts:
         model = load_model("full", torch.device("cpu"), 0)
         if "step" in args.parts:

@@ -331,3 +331,18 @@ def test_serve_bench_fails_at_once_when_a_client_process_dies():
     assert gather_parts(out, [alive, SimpleNamespace(exitcode=0)], timeout_s=600) == [("a", 0.1), ("b", 0.2)]
     with pytest.raises(RuntimeError, match="did not finish within 0 s"):
         gather_parts(out, [alive], timeout_s=0)
+
+
+def test_cpu_speed_times_the_audio_rounds_both_ways():
+    """``benchmarks/cpu_speed.py --parts rounds`` (run as a script, so it keeps up with the pump's signatures):
+    host ms a round for feeds woken every round and for feeds woken only with audio, at each streams count."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_speed.py"
+    run = subprocess.run([sys.executable, str(script), "--parts", "rounds", "--streams", "2", "6", "--rounds", "1"],
+                         check=True, capture_output=True, text=True, timeout=300)
+    rows = re.findall(r"(\d+) streams: every round ([\d.]+) \(best [\d.]+\)\s+with audio ([\d.]+)", run.stdout)
+    assert [n for n, _, _ in rows] == ["2", "6"], run.stdout
+    assert all(float(a) > 0 and float(b) > 0 for _, a, b in rows), run.stdout

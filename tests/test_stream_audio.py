@@ -288,6 +288,47 @@ def test_audio_pump_decodes_every_stream_of_an_engine_step_in_one_round(chat, th
     assert not pump._feeds, "finished feeds should be forgotten"
 
 
+@pytest.mark.parametrize("every_round", [True, False])
+def test_a_feed_that_wants_only_audio_is_not_woken_for_outputs_without_it(chat, every_round):
+    """``every_round=False`` (what ``Pipeline.feed`` opens): a round that takes outputs but decodes no audio
+    for the feed sends nothing (its ``notify`` is not called); those outputs go out with the next delivery,
+    so every output arrives, in order, with the same audio as a feed that hears of every round."""
+    from chattts_velocity.audio import AudioPump
+    from chattts_velocity.audio.pump import PENDING
+    from chattts_velocity.engine import RequestStream
+
+    pump, engine = AudioPump(chat.audio, round_interval_s=0.0), _Engine()
+    config = StreamConfig(first_chunk=8, lookahead=8, chunk=24)
+    tokens = _tokens(chat, 100, True, seed=7)
+    stream, notified = RequestStream(engine, ["r"]), []
+    feed = pump.open(stream, config, use_decoder=True, notify=lambda: notified.append(1), every_round=every_round)
+    reader, deliveries, rounds = iter(feed), [], []
+    for at in range(0, 100, 4):  # one output of 4 tokens a round
+        stream.deliver(_out("r", tokens[at : at + 4], at + 4 == 100, at + 4), 0.0)
+        before = len(notified)
+        pump.wake()
+        while (item := next(reader, None)) not in (PENDING, None):
+            deliveries.append(item)
+        rounds.append(len(notified) > before)
+    assert next(reader, None) is None, "the feed should have ended"
+    outputs = [out for d in deliveries for out in d.outputs]
+    assert [out.num_generated for out in outputs] == list(range(4, 101, 4)), "an output was lost or reordered"
+    with_audio = [bool(d.samples) for d in deliveries]
+    if every_round:
+        assert all(rounds) and not all(with_audio)
+    else:
+        assert not all(rounds) and all(with_audio) and sum(rounds) == len(deliveries)
+        assert len(notified) == len(deliveries) + 1  # and the end's
+        assert deliveries[-1].done == frozenset({"r"}) and deliveries[-1].outputs[-1].finished
+    got = np.concatenate([x for d in deliveries for x in d.samples.get("r", [])])
+    ref = AudioStream(config)
+    ref.push(tokens, finished=True)
+    windows = ref.ready()
+    want = np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, decode_windows(chat.audio, windows, True),
+                                                                strict=True)])
+    assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
+
+
 def test_a_pump_thread_runs_the_rounds_so_wake_returns_at_once(chat, monkeypatch):
     """``AudioPump(thread=True)``: ``wake`` only signals the pump's thread, which runs the round (a wake during
     a round is served right after it, with every output since); the thread ends once idle, and the next wake

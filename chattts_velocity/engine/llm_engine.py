@@ -352,7 +352,7 @@ class LLMEngine:
         taken = self.scheduler.accept(seq, tokens, eos)
         self._totals["num_generated_tokens"] += taken
         if taken and seq.params.return_hidden_states:
-            seq.hidden_chunks.append(hidden[:taken])
+            seq.hidden_chunks.append(hidden if taken == hidden.shape[0] else hidden[:taken])
 
     def _output(self, seq: Sequence) -> RequestOutput:
         start, seq.num_reported = seq.num_reported, seq.num_generated

@@ -126,8 +126,9 @@ class Sequence:
         for chunk in reversed(self.hidden_chunks):  # the newest chunks hold what was not reported yet
             if need <= 0:
                 break
-            parts.append(chunk[-need:])
-            need -= len(chunk)
+            n = chunk.shape[0]
+            parts.append(chunk if need >= n else chunk[-need:])  # (a view costs a torch call)
+            need -= n
         if not parts:  # nothing new: an empty tensor like the chunks (same device and dtype)
             like = self.hidden_chunks[-1] if self.hidden_chunks else None
             if like is None:
