@@ -112,7 +112,8 @@ class Pipeline:
         rows: dict[str, list[np.ndarray]] = {rid: [] for rid in stream.request_ids}  # decoded, not yet yielded
         bar = _bar(p, "code")
         try:
-            with self.pump.open(stream, self.stream_config, use_decoder) as feed:
+            # woken for outputs without audio only where a progress bar moves with them
+            with self.pump.open(stream, self.stream_config, use_decoder, every_round=not bar.disable) as feed:
                 for delivery in feed:
                     for out in delivery.outputs:
                         _progress(bar, out)
