@@ -16,10 +16,12 @@ slows them alike, and the median (and the best) is reported.
   streams of 500 tokens handed over in 8-step windows (a loaded GPU server's engine thread runs one after
   each window): the windows' decode is a stand-in for a CUDA graph replay whose device work is free (the
   copy into its input, zeros out), so what is timed is the rounds' own work; feeds that deliver every round
-  (a progress bar's) against those that deliver only with audio (a server's).
+  (a progress bar's) against those that deliver only with audio (a server's). Here the windows' copies are
+  memory copies of ``--hidden`` floats a token (on a GPU, device copies the host only launches): ``--hidden 8``
+  leaves the rounds' Python and torch calls.
 
     python benchmarks/cpu_speed.py --parts linears step audio --batch 1 8
-    python benchmarks/cpu_speed.py --parts rounds --streams 64 256
+    python benchmarks/cpu_speed.py --parts rounds --streams 64 256 --hidden 768 8
 """
 
 from __future__ import annotations
@@ -156,24 +158,28 @@ CAN_HOLD = "every_round" in inspect.signature(AudioPump.open).parameters
 
 
 class FreeReplay:
-    """Stands in for ``AudioDecoder.graphs``: copies a batch into a static input as a replay does; the wavs are
-    zeros."""
+    """Stands in for ``AudioDecoder.graphs``: copies a batch into a static input and returns a static output
+    (zeros), as a replay does."""
 
     def __init__(self):
-        self.inputs: dict[tuple[int, ...], torch.Tensor] = {}
+        self.buffers: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def run(self, x: torch.Tensor, tf32: bool) -> torch.Tensor:
-        inp = self.inputs.setdefault(tuple(x.shape), torch.empty(x.shape))
+        b, _, t = x.shape
+        if x.shape not in self.buffers:
+            self.buffers[x.shape] = torch.empty(x.shape), torch.zeros(b, (2 * t - 1) * 256)
+        inp, out = self.buffers[x.shape]
         inp.copy_(x)
-        return torch.zeros(x.shape[0], (2 * x.shape[2] - 1) * 256)
+        return out
 
 
-def rounds(streams: list[int], rounds_: int, tokens: int = 500, steps: int = 8, hidden: int = 768) -> None:
+def rounds(streams: list[int], hiddens: list[int], rounds_: int, tokens: int = 500, steps: int = 8) -> None:
     print(f"rounds: ms of host time an audio round, {tokens} tokens a stream in windows of {steps} steps")
-    for n in streams:
-        runs = {name: functools.partial(round_ms, n, tokens, steps, hidden, every)
-                for name, every in (("every round", True), ("with audio", False)) if every or CAN_HOLD}
-        print(f"  {n} streams: {summary(turns(runs, rounds_))}", flush=True)
+    for hidden in hiddens:
+        for n in streams:
+            runs = {name: functools.partial(round_ms, n, tokens, steps, hidden, every)
+                    for name, every in (("every round", True), ("with audio", False)) if every or CAN_HOLD}
+            print(f"  {n} streams, {hidden} floats a token: {summary(turns(runs, rounds_))}", flush=True)
 
 
 def round_ms(n: int, tokens: int, steps: int, hidden: int, every_round: bool) -> float:
@@ -218,6 +224,7 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["linears", "step", "audio"],
                     choices=["linears", "step", "audio", "rounds"])
     ap.add_argument("--streams", type=int, nargs="+", default=[64, 256], help="rounds: streams at once")
+    ap.add_argument("--hidden", type=int, nargs="+", default=[768], help="rounds: floats a token (the GPT's 768)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="rows of the linears, batch of the step")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16", "bfloat16", "int8"], choices=ENGINE_DTYPES)
     ap.add_argument("--rounds", type=int, default=7)
@@ -231,7 +238,7 @@ def main() -> None:
     if "linears" in args.parts:
         linears(args.batch, args.rounds)
     if "rounds" in args.parts:
-        rounds(args.streams, args.rounds)
+        rounds(args.streams, args.hidden, args.rounds)
     if "step" in args.parts or "audio" in args.parts:
         model = load_model("full", torch.device("cpu"), 0)
         if "step" in args.parts:

@@ -341,8 +341,8 @@ def test_cpu_speed_times_the_audio_rounds_both_ways():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_speed.py"
-    run = subprocess.run([sys.executable, str(script), "--parts", "rounds", "--streams", "2", "6", "--rounds", "1"],
+    run = subprocess.run([sys.executable, str(script), "--parts", "rounds", "--streams", "2", "6", "--hidden", "16", "--rounds", "1"],
                          check=True, capture_output=True, text=True, timeout=300)
-    rows = re.findall(r"(\d+) streams: every round ([\d.]+) \(best [\d.]+\)\s+with audio ([\d.]+)", run.stdout)
+    rows = re.findall(r"(\d+) streams, 16 floats a token: every round ([\d.]+) \(best [\d.]+\)\s+with audio ([\d.]+)", run.stdout)
     assert [n for n, _, _ in rows] == ["2", "6"], run.stdout
     assert all(float(a) > 0 and float(b) > 0 for _, a, b in rows), run.stdout
