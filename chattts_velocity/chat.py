@@ -41,6 +41,9 @@ from .upstream_api import UpstreamAttributes
 
 logger = logging.getLogger(__name__)
 
+STOP_WAIT_S = 60.0
+"""How long ``Chat.unload`` (or a new ``load``) waits for the engine thread to stop."""
+
 _UNLOADED = ("the model was unloaded during this infer call (Chat.unload or another Chat.load ran), which stopped "
              "its requests: call Chat.load() again, then infer")
 
@@ -58,8 +61,9 @@ class _Loaded:
     reference: ReferencePath
 
     def close(self) -> None:
-        """Stop the engine (its requests in flight are aborted)."""
-        self.engine.shutdown(drain=False)
+        """Stop the engine (its requests in flight are aborted), waiting for its thread up to ``STOP_WAIT_S``
+        (it ends after the step it is in; one that does not, a hung device call, is left behind)."""
+        self.engine.shutdown(drain=False, timeout=STOP_WAIT_S)
 
 
 class Chat(UpstreamAttributes):

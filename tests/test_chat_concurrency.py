@@ -148,6 +148,51 @@ def test_unload_stops_the_engine_thread(upstream_ckpt):
         chat.infer("hello")
 
 
+def test_unload_waits_for_a_hung_engine_thread_only_so_long(upstream_ckpt, monkeypatch):
+    """An engine thread stuck in a step (a hung device call) does not hang ``unload`` (nor the interpreter's
+    exit after it): it waits ``STOP_WAIT_S`` and returns; the thread ends once its step does."""
+    import time
+
+    import chattts_velocity.chat as chat_module
+
+    chat = Chat()
+    chat.load(source="custom", custom_path=upstream_ckpt, device="cpu")
+    engine = chat.engine
+    stuck, release = threading.Event(), threading.Event()
+    step = engine.engine.step
+
+    def hung_step():
+        stuck.set()
+        release.wait(60)
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", hung_step)
+    monkeypatch.setattr(chat_module, "STOP_WAIT_S", 0.5)
+    errors = []
+
+    def call():
+        try:
+            chat.infer(["stuck"], skip_refine_text=True, split_text=False,
+                       params_infer_code=Chat.InferCodeParams(max_new_token=8, show_tqdm=False))
+        except RuntimeError as err:
+            errors.append(err)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    try:
+        assert stuck.wait(30)
+        start = time.monotonic()
+        chat.unload()
+        assert time.monotonic() - start < 10 and chat.engine is None
+        assert engine._thread.is_alive()  # still in its step
+    finally:
+        release.set()
+    engine._thread.join(30)
+    caller.join(30)
+    assert not engine._thread.is_alive() and not caller.is_alive()
+    assert len(errors) == 1 and "unloaded" in str(errors[0])  # the call in flight learns why
+
+
 def test_server_warm_up_runs_every_level_and_leaves_the_engine_idle(fresh_chat):
     """``serve``'s warm-up (on CUDA before it listens) streams each level twice, together and staggered, and
     leaves nothing behind; off CUDA the window-decode graphs stay off."""
