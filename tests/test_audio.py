@@ -306,7 +306,6 @@ def test_vocos_decode_is_the_package_decode_bit_for_bit(ours):
         features = ours.vocos.backbone(mel)
         head = ours.vocos.head
         mag, phase = head.out(features).transpose(1, 2).chunk(2, dim=1)
-        assert mag.abs().max() > 0
         want_spec = torch.exp(mag).clip(max=1e2) * (torch.cos(phase) + 1j * torch.sin(phase))
         assert torch.equal(head_spectrum(head, features), want_spec)
         assert torch.equal(vocos_decode(ours.vocos, mel), ours.vocos.decode(mel))

@@ -60,6 +60,30 @@ def _offline(chat, tokens, use_decoder: bool) -> np.ndarray:
     return chat.audio.to_wavs([tokens], use_decoder)[0]
 
 
+def _at_once(chat, tokens, config: StreamConfig) -> np.ndarray:
+    """The streamed audio of ``tokens`` (hidden states) pushed all at once: what a pump's feed must deliver."""
+    stream = AudioStream(config)
+    stream.push(tokens, finished=True)
+    return np.concatenate(_decode(chat, stream.ready(), True))
+
+
+def _hold_decodes(pump):
+    """Make ``pump``'s decodes wait for a gate: -> (gate, entered, names of the threads that decoded)."""
+    import threading
+
+    gate, entered, threads = threading.Event(), threading.Event(), []
+    decode = pump.decode
+
+    def held(windows, use_decoder):
+        threads.append(threading.current_thread().name)
+        entered.set()
+        gate.wait(10)
+        return decode(windows, use_decoder)
+
+    pump.decode = held
+    return gate, entered, threads
+
+
 def _snr_db(ref: np.ndarray, got: np.ndarray) -> float:
     err = np.sum((ref.astype(np.float64) - got) ** 2)
     return math.inf if err == 0 else 10 * math.log10(np.sum(ref.astype(np.float64) ** 2) / err)
@@ -264,13 +288,7 @@ def test_audio_pump_decodes_every_stream_of_an_engine_step_in_one_round(chat, th
     pump, engine = AudioPump(chat.audio, thread=thread), _Engine()
     config = StreamConfig(first_chunk=8, lookahead=8)
     tokens = [_tokens(chat, 40, True, seed=i) for i in range(6)]
-    want = []
-    for t in tokens:
-        ref = AudioStream(config)
-        ref.push(t, finished=True)
-        windows = ref.ready()
-        wavs = decode_windows(chat.audio, windows, True)
-        want.append(np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, wavs, strict=True)]))
+    want = [_at_once(chat, t, config) for t in tokens]
     streams = [RequestStream(engine, [f"r{i}"]) for i in range(6)]
     feeds = [pump.open(s, config, use_decoder=True) for s in streams]  # nothing to decode yet
     for i in (3, 0, 5, 1, 4, 2):  # one engine step, as the pump sees it: outputs, then one wake
@@ -321,11 +339,7 @@ def test_a_feed_that_wants_only_audio_is_not_woken_for_outputs_without_it(chat, 
         assert len(notified) == len(deliveries) + 1  # and the end's
         assert deliveries[-1].done == frozenset({"r"}) and deliveries[-1].outputs[-1].finished
     got = np.concatenate([x for d in deliveries for x in d.samples.get("r", [])])
-    ref = AudioStream(config)
-    ref.push(tokens, finished=True)
-    windows = ref.ready()
-    want = np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, decode_windows(chat.audio, windows, True),
-                                                                strict=True)])
+    want = _at_once(chat, tokens, config)
     assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
 
 
@@ -333,7 +347,6 @@ def test_a_pump_thread_runs_the_rounds_so_wake_returns_at_once(chat, monkeypatch
     """``AudioPump(thread=True)``: ``wake`` only signals the pump's thread, which runs the round (a wake during
     a round is served right after it, with every output since); the thread ends once idle, and the next wake
     starts another. A failing decode reaches the reader there too."""
-    import threading
 
     from chattts_velocity.audio import AudioPump
     from chattts_velocity.audio import pump as pump_module
@@ -341,16 +354,7 @@ def test_a_pump_thread_runs_the_rounds_so_wake_returns_at_once(chat, monkeypatch
 
     monkeypatch.setattr(pump_module, "WORKER_IDLE_S", 0.2)
     pump, engine = AudioPump(chat.audio, thread=True), _Engine()
-    gate, entered, threads = threading.Event(), threading.Event(), []
-    decode = pump.decode
-
-    def held(windows, use_decoder):
-        threads.append(threading.current_thread().name)
-        entered.set()
-        gate.wait(10)
-        return decode(windows, use_decoder)
-
-    pump.decode = held
+    gate, entered, threads = _hold_decodes(pump)
     config = StreamConfig(first_chunk=8, lookahead=8)
     tokens = _tokens(chat, 60, True, seed=5)
     stream = RequestStream(engine, ["r"])
@@ -363,11 +367,7 @@ def test_a_pump_thread_runs_the_rounds_so_wake_returns_at_once(chat, monkeypatch
     gate.set()
     got = np.concatenate([x for d in feed for x in d.samples.get("r", [])])
     assert threads and set(threads) == {"chattts-velocity-audio"}, threads
-    ref = AudioStream(config)
-    ref.push(tokens, finished=True)
-    windows = ref.ready()
-    want = np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, decode_windows(chat.audio, windows, True),
-                                                                strict=True)])
+    want = _at_once(chat, tokens, config)
     assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
     worker = pump._worker
     assert worker is not None
@@ -398,16 +398,7 @@ def test_a_pump_thread_stops_at_exit_after_serving_the_wake_it_has(chat):
     from chattts_velocity.engine import RequestStream
 
     pump, engine = AudioPump(chat.audio, thread=True), _Engine()
-    gate, entered, threads = threading.Event(), threading.Event(), []
-    decode = pump.decode
-
-    def held(windows, use_decoder):
-        threads.append(threading.current_thread().name)
-        entered.set()
-        gate.wait(10)
-        return decode(windows, use_decoder)
-
-    pump.decode = held
+    gate, entered, threads = _hold_decodes(pump)
     config = StreamConfig(first_chunk=8, lookahead=8)
     tokens = _tokens(chat, 90, True, seed=6)
     stream = RequestStream(engine, ["r"])
@@ -431,11 +422,7 @@ def test_a_pump_thread_stops_at_exit_after_serving_the_wake_it_has(chat):
     pump.wake()  # on this thread now
     assert threads[served:] and set(threads[served:]) == {threading.current_thread().name}, threads
     got = np.concatenate([x for d in feed for x in d.samples.get("r", [])])
-    ref = AudioStream(config)
-    ref.push(tokens, finished=True)
-    windows = ref.ready()
-    want = np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, decode_windows(chat.audio, windows, True),
-                                                                strict=True)])
+    want = _at_once(chat, tokens, config)
     assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
 
 
@@ -491,15 +478,7 @@ def test_closing_a_stream_never_waits_for_a_round(chat):
     pump, engine = AudioPump(chat.audio), _Engine()
     busy, idle = RequestStream(engine, ["busy"]), RequestStream(engine, ["idle"])
     busy_feed, idle_feed = pump.open(busy, DEFAULT, use_decoder=True), pump.open(idle, DEFAULT, use_decoder=True)
-    gate, entered = threading.Event(), threading.Event()
-    decode = pump.decode
-
-    def held(windows, use_decoder):
-        entered.set()
-        gate.wait(10)
-        return decode(windows, use_decoder)
-
-    pump.decode = held
+    gate, entered, _ = _hold_decodes(pump)
     busy.deliver(_out("busy", _tokens(chat, 30, True), True, 30), 0.0)
     engine_thread = threading.Thread(target=pump.wake)  # the engine thread's round, held inside its decode
     engine_thread.start()
@@ -523,11 +502,7 @@ def test_paced_rounds_hold_later_chunks_but_never_a_first_or_last_one(chat):
 
     config = StreamConfig(first_chunk=8, lookahead=8)
     tokens = _tokens(chat, 60, True, seed=3)
-    ref = AudioStream(config)
-    ref.push(tokens, finished=True)
-    windows = ref.ready()
-    want = np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, decode_windows(chat.audio, windows, True),
-                                                                strict=True)])
+    want = _at_once(chat, tokens, config)
     # a clock that stands still: the held chunks' listener is never near running dry (deadlines: test_stream_deadlines)
     pump, engine = AudioPump(chat.audio, round_interval_s=3600.0, clock=lambda: 0.0), _Engine()
     stream = RequestStream(engine, ["r"])
@@ -635,11 +610,7 @@ def test_a_paced_round_decodes_only_the_feeds_with_a_first_or_last_chunk(chat):
     pump.wake()
     old += delivered("old")
     for rid, got in (("old", old), ("new", new)):
-        ref = AudioStream(config)
-        ref.push(tokens[rid], finished=True)
-        windows = ref.ready()
-        want = np.concatenate([ref.accept(w, wav) for w, wav in zip(windows, decode_windows(chat.audio, windows, True),
-                                                                    strict=True)])
+        want = _at_once(chat, tokens[rid], config)
         got = np.concatenate(got)
         assert got.shape == want.shape and np.allclose(got, want, atol=1e-5), rid
     assert not pump._feeds and not pump._marked and not pump._deferred
