@@ -199,8 +199,9 @@ def test_mixed_audio_and_text_decodes_take_turns_in_windows():
 
 
 def test_max_window_tokens_shortens_the_windows_of_large_batches():
-    """steps x sequences stays within max_window_tokens (never fewer than MIN_CAPPED_STEPS steps, never more
-    than num_decode_steps); without the cap every batch runs num_decode_steps."""
+    """While requests come in, steps x sequences stays within max_window_tokens (never fewer than
+    MIN_CAPPED_STEPS steps, never more than num_decode_steps); without the cap every batch runs
+    num_decode_steps, and so does a window that no arrival waits for."""
 
     def window_after_prefill(batch: int, cap):
         bm = BlockSpaceManager(4096, 4, 0.0)
@@ -215,9 +216,33 @@ def test_max_window_tokens_shortens_the_windows_of_large_batches():
     assert [window_after_prefill(n, None) for n in (1, 8, 40)] == [32, 32, 32]
     assert [window_after_prefill(n, 256) for n in (1, 8, 16, 40, 64)] == [32, 32, 16, 8, 8]  # 6 and 4: floored
     sched = Scheduler(BlockSpaceManager(16, 4, 0.0), 8, 64, num_decode_steps=32, max_window_tokens=100)
+    sched.add(make_seq(5, request_id="waits"))  # a request waits: every window is capped
     assert [sched.window_steps(n) for n in (1, 3, 4, 12, 13, 1000)] == [32, 32, 25, 8, 8, 8]
+    sched.waiting.clear()  # (admitted since): it came after the last window was scheduled, so still capped
+    assert sched.window_steps(40) == 8
     sched = Scheduler(BlockSpaceManager(16, 4, 0.0), 8, 64, num_decode_steps=4, max_window_tokens=100)
+    sched.add(make_seq(5, request_id="waits"))
     assert [sched.window_steps(n) for n in (1, 50, 1000)] == [4, 4, 4]  # the floor never lengthens a window
+
+    # a batch that runs on with nobody arriving: its windows run whole after the first; one that arrives caps
+    # the next window of the batch (after its prompt step), then the windows run whole again
+    bm = BlockSpaceManager(4096, 4, 0.0)
+    sched = Scheduler(bm, 64, 4096, num_decode_steps=32, max_window_tokens=256)
+    for i in range(40):
+        sched.add(make_seq(5, request_id=f"q{i}", max_new=400))
+    run_step(sched)  # the prefills
+    windows = []
+    for turn in range(6):
+        if turn == 3:
+            sched.add(make_seq(5, request_id="late", max_new=400))
+        out = sched.schedule()
+        windows.append((len(out.scheduled), out.num_steps))
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += out.num_steps if out.num_steps > 1 else item.num_new_tokens
+            if item.samples:
+                item.seq.extend([(7,) * 4] * out.num_steps)
+    assert windows[:3] == [(40, 8), (40, 32), (40, 32)], windows
+    assert windows[3:] == [(41, 1), (41, 8), (41, 32)], windows  # its prompt beside one decode step each
 
 
 def test_continue_window_reserves_the_next_window_only_when_the_batch_cannot_change():

@@ -49,10 +49,12 @@ class EngineConfig:
     that ends by EOS may compute up to this many unused steps, and a new request waits for the running window
     (two with ``pipeline_decode``)."""
     max_window_tokens: int | None = None
-    """Most tokens one decode window computes (steps x sequences): a larger batch runs shorter windows, never
-    fewer than ``scheduler.MIN_CAPPED_STEPS`` steps nor more than ``num_decode_steps``. A request that arrives
-    while a window runs waits for it, and under a server's load (hundreds of sequences) a full window is a long
-    wait; capping the tokens caps that wait. None: always ``num_decode_steps`` (best throughput)."""
+    """Most tokens one decode window computes (steps x sequences) while requests arrive (one waits, or came
+    since the last window was scheduled): a larger batch runs shorter windows, never fewer than
+    ``scheduler.MIN_CAPPED_STEPS`` steps nor more than ``num_decode_steps``. A request that arrives while a
+    window runs waits for it, and under a server's load (hundreds of sequences) a full window is a long wait;
+    capping the tokens caps that wait. A window no arrival waits for runs ``num_decode_steps``. None: always
+    ``num_decode_steps`` (best throughput)."""
     first_window_tokens: int = 16
     """A batch holding a sequence with fewer generated tokens than this runs a window that is just long enough
     to bring it there, so a stream's first audio (``StreamConfig.first_chunk + lookahead`` tokens, 16 by

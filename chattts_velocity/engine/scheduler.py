@@ -74,6 +74,10 @@ class Scheduler:
         self.max_prefill_seqs = max_prefill_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self._text_turn = False
+        self._num_added = 0
+        self._sized_at = 0
+        """``_num_added`` when a window was last scheduled: requests added since came in while the engine ran,
+        which is when ``max_window_tokens`` caps a window (``window_steps``)."""
         """Which mode's decodes a step of mixed audio and text decodes keeps (see ``_one_mode``)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -83,6 +87,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._num_added += 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -129,9 +134,12 @@ class Scheduler:
 
     def window_steps(self, batch: int) -> int:
         """Steps of a full decode window of ``batch`` sequences: ``num_decode_steps``, fewer where
-        ``max_window_tokens`` caps steps x batch (never fewer than ``MIN_CAPPED_STEPS``)."""
+        ``max_window_tokens`` caps steps x batch (never fewer than ``MIN_CAPPED_STEPS``) while requests come
+        in: one waits, or one was added since the last window was sized. A window that no arrival waits for
+        runs whole: each window's end costs a server its report and audio round, so a large batch's capped
+        windows deliver less audio (docs/perf/serve.md)."""
         k = self.num_decode_steps
-        if self.max_window_tokens is not None:
+        if self.max_window_tokens is not None and (self.waiting or self._num_added != self._sized_at):
             k = min(k, max(MIN_CAPPED_STEPS, self.max_window_tokens // batch))
         return k
 
@@ -139,6 +147,7 @@ class Scheduler:
         """Give every sequence blocks for ``window_steps`` tokens (fewer near its length limit), or keep the
         single step if any lacks them: a longer window never preempts anybody."""
         bm, k = self.block_manager, self.window_steps(len(out.scheduled))
+        self._sized_at = self._num_added
         youngest = min(s.seq.num_generated for s in out.scheduled)
         text = out.scheduled[0].seq.text_mode
         if youngest < self.first_window_tokens and not text:  # a short window brings it to its first audio sooner

@@ -23,9 +23,10 @@ HAPROXY_RETRY_ENV = "RAY_SERVE_HAPROXY_RETRY_ON"
 """Ray Serve's switches for the ``haproxy`` ingress and its retry policy, read from the environment of every Ray
 process."""
 SERVE_WINDOW_TOKENS = 2048
-"""``serve``'s default ``EngineConfig.max_window_tokens``: a cap on a decode window's tokens, so arriving requests
-wait less under load (open-loop first audio), at a cost in throughput: 256 closed-loop streams deliver less
-audio than with no cap (`chattts-velocity bench serve`; docs/perf/serve.md)."""
+"""``serve``'s default ``EngineConfig.max_window_tokens``: while requests arrive, a cap on a decode window's
+tokens, so an arriving request waits less for the running window (open-loop first audio); a window no arrival
+waits for runs whole, as each window's end costs the engine its report and audio round (capped always, 256
+closed-loop streams delivered less audio: `chattts-velocity bench serve`; docs/perf/serve.md)."""
 
 OPTIONS: dict[str, type] = {
     # the model
