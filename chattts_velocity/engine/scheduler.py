@@ -74,11 +74,11 @@ class Scheduler:
         self.max_prefill_seqs = max_prefill_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self._text_turn = False
+        """Which mode's decodes a step of mixed audio and text decodes keeps (see ``_one_mode``)."""
         self._num_added = 0
         self._sized_at = 0
-        """``_num_added`` when a window was last scheduled: requests added since came in while the engine ran,
+        """``_num_added`` when a window was last sized: requests added since came in while the engine ran,
         which is when ``max_window_tokens`` caps a window (``window_steps``)."""
-        """Which mode's decodes a step of mixed audio and text decodes keeps (see ``_one_mode``)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.suspects: set[int] = set()
