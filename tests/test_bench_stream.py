@@ -8,6 +8,7 @@ import pytest
 from chattts_velocity.bench.stream import (
     StreamBenchConfig,
     StreamRecord,
+    _median,
     format_table,
     run_stream_bench,
     summarize,
@@ -24,6 +25,9 @@ def test_start_delay_is_how_far_the_latest_chunk_is_behind_the_audio_before_it()
     jitter = StreamRecord(arrivals=[0.0, 0.1005], samples=[RATE // 10, RATE])  # within the 1 ms tolerance
     assert jitter.underrun() is False and jitter.start_delay() == pytest.approx(0.0005)
     assert StreamRecord().underrun() and StreamRecord().start_delay() == float("inf")
+    assert on_time.stall_chunk() is None and jitter.stall_chunk() is None and late.stall_chunk() == 1
+    later = StreamRecord(arrivals=[0.1, 0.15, 0.5, 0.6], samples=[RATE // 10, RATE // 10, RATE // 10, RATE])
+    assert later.stall_chunk() == 2 and later.start_delay() == pytest.approx(0.2)
 
 
 def test_summary_has_first_audio_and_start_delay_percentiles():
@@ -32,6 +36,9 @@ def test_summary_has_first_audio_and_start_delay_percentiles():
     assert row["underruns"] == 20 and row["streams"] == 20
     assert row["ttfa_p50_ms"] == pytest.approx(105.0) and row["ttfa_p95_ms"] == pytest.approx(190.5)
     assert row["start_delay_p50_ms"] == pytest.approx(295.0) and row["start_delay_p95_ms"] > row["start_delay_p50_ms"]
+    assert row["stalls_at_chunk"] == {"1": 20}
+    merged = _median([row, summarize(records[:5] + [StreamRecord(arrivals=[0.1], samples=[RATE], end=1.0)])])
+    assert merged["stalls_at_chunk"] == {"1": 25} and merged["underruns"] == 20 and merged["repeats"] == 2
 
 
 def test_a_run_on_the_tiny_checkpoint_reports_each_level(tmp_path):

@@ -289,7 +289,7 @@ def test_a_request_arriving_during_a_window_waits_for_that_window_only(chat, mak
                                                              sampled(8, min_new_tokens=6, max_new_tokens=6)]
 
     def generate(window: int, hook: bool) -> tuple[list, list]:
-        engine = make_engine(num_decode_steps=window, first_window_tokens=0, pipeline_decode=window > 1)
+        engine = make_engine(num_decode_steps=window, window_stops=(), pipeline_decode=window > 1)
         events = []
         record_windows(engine, lambda w, continuing: events.append("queued" if continuing else "window"))
         forward = engine.runner.forward
@@ -335,7 +335,7 @@ def test_an_arrival_ends_a_full_window_after_the_steps_queued_ahead(chat, make_e
           sampled(13, min_new_tokens=6, max_new_tokens=6)]
 
     def generate(window: int, lookahead: int | None) -> tuple[list, list]:
-        engine = make_engine(num_decode_steps=window, first_window_tokens=6, pipeline_decode=window > 1,
+        engine = make_engine(num_decode_steps=window, window_stops=(6,), pipeline_decode=window > 1,
                              window_lookahead=lookahead or 4, open_window_max_seqs=16 if lookahead else 0)
         collected = []
         collect = engine.runner.collect
@@ -386,7 +386,7 @@ def test_an_arrival_ends_a_full_window_after_the_steps_queued_ahead(chat, make_e
 @pytest.mark.parametrize("batch", [1, 2])
 def test_windows_run_open_only_up_to_open_window_max_seqs(chat, make_engine, batch):
     """A batch of more than ``open_window_max_seqs`` sequences runs whole windows (an arrival would end each)."""
-    engine = make_engine(num_decode_steps=8, first_window_tokens=0, pipeline_decode=True, window_lookahead=2,
+    engine = make_engine(num_decode_steps=8, window_stops=(), pipeline_decode=True, window_lookahead=2,
                          open_window_max_seqs=1)
     kinds = []
     record_windows(engine, lambda w, continuing: kinds.append(type(w).__name__))
@@ -402,7 +402,7 @@ def test_a_step_launched_ahead_is_aborted_or_fails_like_any_step(chat, make_engi
     """``launch_ahead`` launches only what leads to first audio (a prompt step, a short first window), not
     a full window; a request aborted while its prompt step was launched ahead frees its blocks; a launch
     that fails is the next step's failure (a batch of one: that request fails, the engine goes on)."""
-    engine = make_engine(block_size=4, num_decode_steps=4, first_window_tokens=3, pipeline_decode=True,
+    engine = make_engine(block_size=4, num_decode_steps=4, window_stops=(3,), pipeline_decode=True,
                          prefill_first=True)
     bm = engine.block_manager
     assert not engine.launch_ahead(), "nothing to run"
@@ -459,7 +459,7 @@ def test_speaker_and_voice_sample_change_the_output(chat, make_engine, workload)
 def test_no_window_runs_past_every_sequence_s_length_limit(chat, make_engine, pipeline):
     """13 tokens in windows of 8: the prefill's token, a window of 8, then a window of the 4 left (a full window
     would compute 4 steps nobody can use), whether or not the last window is queued behind the previous one."""
-    engine = make_engine(num_decode_steps=8, first_window_tokens=0, pipeline_decode=pipeline)
+    engine = make_engine(num_decode_steps=8, window_stops=(), pipeline_decode=pipeline)
     launched = []
     record_windows(engine, lambda window, continuing: launched.append(window.num_steps))
     engine.add_request("s", code_prompt(chat, "no wasted steps"), params(min_new_tokens=13, max_new_tokens=13))
@@ -515,7 +515,8 @@ def test_step_reports_each_new_token_incrementally(chat, make_engine, window):
 
 @pytest.mark.parametrize("window", [1, 8])
 def test_abort_mid_generation_frees_every_block(chat, make_engine, window):
-    engine = make_engine(block_size=4, num_decode_steps=window, pipeline_decode=window > 1)  # aborts in flight
+    engine = make_engine(block_size=4, num_decode_steps=window, pipeline_decode=window > 1,  # aborts in flight
+                         window_stops=())
     bm = engine.block_manager
     for i in range(3):
         engine.add_request(f"a{i}", code_prompt(chat, f"abort me {i}"), params(min_new_tokens=50, max_new_tokens=50))

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+import torch
 from engine_helpers import make_seq
 
 from chattts_velocity.engine.block_manager import BlockSpaceManager
+from chattts_velocity.engine.engine_config import EngineConfig
+from chattts_velocity.engine.sampling_params import Mode
 from chattts_velocity.engine.scheduler import Scheduler
 from chattts_velocity.engine.sequence import FinishReason, SequenceStatus
 
@@ -157,10 +163,6 @@ def test_abort_of_waiting_and_running_frees_everything():
 def test_output_hidden_with_nothing_new_is_empty_like_the_chunks():
     """A report with no new tokens gives [0, H] hidden states of the chunks' dtype and device (a CPU float32
     empty tensor after float16 CUDA chunks failed a streaming request on the GPU)."""
-    import dataclasses
-
-    import torch
-
     seq = make_seq(3)
     seq.params = dataclasses.replace(seq.params, return_hidden_states=True)
     assert tuple(seq.output_hidden(8).shape) == (0, 8)
@@ -174,10 +176,6 @@ def test_output_hidden_with_nothing_new_is_empty_like_the_chunks():
 def test_mixed_audio_and_text_decodes_take_turns_in_windows():
     """Decodes of audio and refine (text) sequences together: each step keeps one mode, in turn, and runs it
     as a window; a step that still prefills stays one mixed step."""
-    import dataclasses
-
-    from chattts_velocity.engine.sampling_params import Mode
-
     bm = BlockSpaceManager(64, 4, 0.0)
     sched = Scheduler(bm, 8, 64, num_decode_steps=8)
     audio = [make_seq(5, request_id=f"a{i}") for i in range(2)]
@@ -272,6 +270,55 @@ def test_continue_window_reserves_the_next_window_only_when_the_batch_cannot_cha
     assert sched.continue_window(seqs, 4) == 4  # room for 2 more: the next window is as long as the longest
 
 
+def test_window_stops_end_a_young_streams_windows_at_its_first_chunks():
+    """``window_stops``: a batch whose youngest audio sequence is short of the last stop runs a window that ends
+    at that sequence's next stop (a stream's first audio, then its second chunk), then full windows; a text
+    sequence has no stops; the pipelined next window is not queued while the youngest is short of a stop after
+    the running window."""
+    def windows(stops: tuple[int, ...], late_at: int | None = None, turns: int = 5) -> list[tuple[int, int]]:
+        bm = BlockSpaceManager(4096, 4, 0.0)
+        sched = Scheduler(bm, 64, 4096, num_decode_steps=32, window_stops=stops)
+        for i in range(3):
+            sched.add(make_seq(5, request_id=f"r{i}", max_new=400))
+        out = []
+        for turn in range(turns):
+            if turn == late_at:
+                sched.add(make_seq(5, request_id="late", max_new=400))
+            plan_ = sched.schedule()
+            out.append((len(plan_.scheduled), plan_.num_steps))
+            for item in plan_.scheduled:
+                item.seq.num_computed_tokens += plan_.num_steps if plan_.num_steps > 1 else item.num_new_tokens
+                if item.samples:
+                    item.seq.extend([(7,) * 4] * plan_.num_steps)
+        return out
+
+    # the prompt step makes token 1; then windows to 16 and 24 tokens, then full ones
+    assert windows((16, 24)) == [(3, 1), (3, 15), (3, 8), (3, 32), (3, 32)]
+    assert windows((16,)) == [(3, 1), (3, 15), (3, 32), (3, 32), (3, 32)]
+    assert windows(()) == [(3, 1), (3, 32), (3, 32), (3, 32), (3, 32)]
+    # one that arrives at 24 tokens: its prompt with a decode step, then windows to its own stops (16, 24),
+    # the older ones along with it; only the youngest sets them (the others' stops would cut 14 steps, not 15)
+    assert windows((16, 24), late_at=1) == [(3, 1), (4, 1), (4, 15), (4, 8), (4, 32)]
+    assert windows((16, 24), late_at=3, turns=7) == [(3, 1), (3, 15), (3, 8), (4, 1), (4, 15), (4, 8), (4, 32)]
+
+    bm = BlockSpaceManager(256, 4, 0.0)
+    sched = Scheduler(bm, 8, 64, num_decode_steps=4, window_stops=(16, 24))
+    seqs = [make_seq(5, request_id=f"c{i}", max_new=100) for i in range(2)]
+    for seq in seqs:
+        sched.add(seq)
+    run_step(sched)  # the prompts: 1 token generated each
+    assert sched.next_stop(seqs) == 15
+    assert sched.continue_window(seqs, 4) == 0  # short of 16 after it: that window ends at its stop
+    for seq in seqs:
+        seq.extend([(7,) * 4] * 19)
+        seq.num_computed_tokens = len(seq) - 1
+    assert sched.next_stop(seqs) == 4 and sched.next_stop(seqs[:1]) == 4
+    assert sched.continue_window(seqs, 4) == 4  # at 24 after it: past the stops, the next window is queued
+    text = make_seq(6, first=30, request_id="t")
+    text.params = dataclasses.replace(text.params, mode=Mode.TEXT)
+    assert sched.next_stop([text]) is None and sched.next_stop([text, *seqs]) == 4
+
+
 def test_prefill_first_admits_prompts_in_steps_of_their_own_within_the_prefill_limits():
     """With prefill_first a step that can admit waiting requests computes prompts only (the running decodes
     wait), at most max_prefill_seqs sequences and max_prefill_tokens tokens (a chunked prompt goes on first);
@@ -351,3 +398,10 @@ def test_accept_appends_until_eos_or_the_length_limit_and_finishes_there():
     computed = d.num_computed_tokens
     assert sched.accept(d, [(6,) * 4] * 4, eos) == 4 and not d.is_finished and d.num_generated == 5
     assert d.num_computed_tokens == computed + 4 and d.num_uncomputed == 1  # the newest token is the next input
+
+
+def test_engine_config_checks_window_stops():
+    assert EngineConfig().window_stops == (16, 24) and EngineConfig(window_stops=()).window_stops == ()
+    for bad in ((24, 16), (16, 16), (0, 8), [16, 24], (True,), 16, (8.0,)):
+        with pytest.raises(ValueError, match="window_stops must be a tuple of increasing ints >= 1"):
+            EngineConfig(window_stops=bad)

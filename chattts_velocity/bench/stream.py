@@ -13,6 +13,7 @@ import json
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -31,6 +32,8 @@ DEFINITIONS = {
     "start_delay_*_ms": "per stream, the smallest wait after its first chunk before playback that never stalls "
                         "(0 when it never would)",
     "audio_s_per_s": "every stream's audio over the level's wall time",
+    "stalls_at_chunk": "of the streams that underrun, how many first stall waiting for chunk N (0-based; summed "
+                       "over the runs): 1 is the chunk after the first",
 }
 UNDERRUN_S = 1e-3
 """How late a chunk may come before playback stalls: the clock's and the hand-off's jitter, not a stall."""
@@ -86,8 +89,18 @@ class StreamRecord:
         is behind the audio ahead of it (seconds; inf without any chunk)."""
         if not self.arrivals:
             return float("inf")
-        played = np.cumsum([0, *self.samples[:-1]]) / SAMPLE_RATE  # audio ahead of each chunk
-        return max(0.0, float(np.max(np.array(self.arrivals) - self.arrivals[0] - played)))
+        return max(0.0, float(np.max(self._behind())))
+
+    def stall_chunk(self) -> int | None:
+        """The chunk that playback started at the first one would first wait for (None: it never would)."""
+        if not self.underrun() or not self.arrivals:
+            return None
+        return int(np.argmax(self._behind() > UNDERRUN_S))
+
+    def _behind(self) -> np.ndarray:
+        """Per chunk: how long after the audio ahead of it (played from the first chunk on) it arrived."""
+        played = np.cumsum([0, *self.samples[:-1]]) / SAMPLE_RATE
+        return np.array(self.arrivals) - self.arrivals[0] - played
 
 
 def load_bench_chat(cfg: StreamBenchConfig, max_streams: int) -> Chat:
@@ -160,12 +173,19 @@ def summarize(records: list[StreamRecord]) -> dict:
         underruns=sum(r.underrun() for r in records), start_delay_p50_ms=1e3 * float(np.percentile(delay, 50)),
         start_delay_p95_ms=1e3 * float(np.percentile(delay, 95)),
         chunks_p50=float(np.median([len(r.arrivals) for r in records])),
+        stalls_at_chunk=_count(r.stall_chunk() for r in records),
     )
 
 
+def _count(chunks) -> dict[str, int]:
+    counts = Counter(c for c in chunks if c is not None)
+    return {str(c): counts[c] for c in sorted(counts)}
+
+
 def _median(runs: list[dict]) -> dict:
-    out = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
-    out.update(streams=runs[0]["streams"], underruns=max(r["underruns"] for r in runs), repeats=len(runs))
+    out = {k: float(np.median([r[k] for r in runs])) for k in runs[0] if k != "stalls_at_chunk"}
+    out.update(streams=runs[0]["streams"], underruns=max(r["underruns"] for r in runs), repeats=len(runs),
+               stalls_at_chunk=_count(int(c) for r in runs for c, n in r["stalls_at_chunk"].items() for _ in range(n)))
     return out
 
 
@@ -204,6 +224,10 @@ def run_and_report(cfg: StreamBenchConfig) -> dict:
     report = run_stream_bench(cfg)
     print(f"device: {report['device']}, {cfg.tokens} tokens per stream, median of {cfg.repeats} runs")
     print(format_table(report))
+    for r in report["rows"]:
+        if r["stalls_at_chunk"]:
+            stalls = ", ".join(f"chunk {c}: {n}" for c, n in r["stalls_at_chunk"].items())
+            print(f"{r['streams']} streams ({r['path']}), first stall at {stalls} (summed over the runs)")
     if cfg.json_path:
         with open(cfg.json_path, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -55,10 +55,14 @@ class EngineConfig:
     window runs waits for it, and under a server's load (hundreds of sequences) a full window is a long wait;
     capping the tokens caps that wait. A window no arrival waits for runs ``num_decode_steps``. None: always
     ``num_decode_steps`` (best throughput)."""
-    first_window_tokens: int = 16
-    """A batch holding a sequence with fewer generated tokens than this runs a window that is just long enough
-    to bring it there, so a stream's first audio (``StreamConfig.first_chunk + lookahead`` tokens, 16 by
-    default) does not wait for a full window; 0 disables."""
+    window_stops: tuple[int, ...] = (16, 24)
+    """Generated-token counts where an audio stream's first chunks become decodable (with ``StreamConfig``'s
+    defaults: its first audio at ``first_chunk + lookahead`` = 16 tokens, its second chunk at 24). A batch
+    whose youngest audio sequence is short of the last stop runs a window that ends at that sequence's next
+    stop, so neither the first audio nor the chunk after it waits for a full window: the first chunk
+    holds 8 tokens (0.17 s of audio), and at hundreds of streams a full window and its audio round can take
+    longer than that, so playback started at the first chunk would run dry (`chattts-velocity bench stream`;
+    docs/perf/). Increasing ints >= 1; () disables."""
     prefill_first: bool | None = None
     """A step that has prompts to compute (waiting requests, a long prompt's next chunk) computes prompts only,
     and the running sequences decode in the next step (a window). Mixed into one step, a few new prompts beside
@@ -92,8 +96,10 @@ class EngineConfig:
         _positive("window_lookahead", self.window_lookahead)
         if not isinstance(self.open_window_max_seqs, int) or self.open_window_max_seqs < 0:
             raise ValueError(f"open_window_max_seqs must be an int >= 0, got {self.open_window_max_seqs!r}")
-        if not isinstance(self.first_window_tokens, int) or self.first_window_tokens < 0:
-            raise ValueError(f"first_window_tokens must be an int >= 0, got {self.first_window_tokens!r}")
+        stops = self.window_stops
+        if (not isinstance(stops, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                                    for n in stops) or list(stops) != sorted(set(stops))):
+            raise ValueError(f"window_stops must be a tuple of increasing ints >= 1, got {stops!r}")
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_gib is not None and not (isinstance(self.kv_cache_gib, (int, float)) and self.kv_cache_gib > 0):

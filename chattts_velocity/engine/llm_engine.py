@@ -74,7 +74,7 @@ class LLMEngine:
         prefill_first = cuda if config.prefill_first is None else config.prefill_first
         seqs, tokens = self.runner.prefill_limits() if prefill_first else (None, None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.num_decode_steps, config.first_window_tokens, config.max_window_tokens,
+                                   config.num_decode_steps, config.window_stops, config.max_window_tokens,
                                    prefill_first, seqs, tokens)
         self.requests: dict[str, Sequence] = {}
         """The unfinished requests' sequences, by request id."""
@@ -312,11 +312,11 @@ class LLMEngine:
     def _runs_open(self, seqs: list[Sequence]) -> bool:
         """Whether a decode window of ``seqs`` runs as an ``OpenWindow`` (``EngineConfig.open_window_max_seqs``):
         requests arrive while the engine runs (``arrivals``), windows are pipelined, and it is neither a batch of
-        more than ``open_window_max_seqs`` nor one that brings an audio sequence to its first audio."""
+        more than ``open_window_max_seqs`` nor one that ends at its youngest audio sequence's window stop (its
+        first chunks: ``EngineConfig.window_stops``)."""
         if self.arrivals is None or not self._pipeline or len(seqs) > self.config.open_window_max_seqs:
             return False
-        first = self.config.first_window_tokens
-        return not any(not seq.text_mode and seq.num_generated < first for seq in seqs)
+        return self.scheduler.next_stop(seqs) is None
 
     def _arrived(self) -> bool:
         """Whether the open window should end now: a request arrived since it was launched (``arrivals``, asked

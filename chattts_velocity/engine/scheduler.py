@@ -61,14 +61,15 @@ server much of its throughput (`chattts-velocity bench serve` with `--max-window
 
 class Scheduler:
     def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_decode_steps: int = 1, first_window_tokens: int = 0, max_window_tokens: int | None = None,
+                 num_decode_steps: int = 1, window_stops: tuple[int, ...] = (), max_window_tokens: int | None = None,
                  prefill_first: bool = False, max_prefill_seqs: int | None = None,
                  max_prefill_tokens: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_decode_steps = num_decode_steps
-        self.first_window_tokens = first_window_tokens
+        self.window_stops = window_stops
+        """``EngineConfig.window_stops``: where the youngest audio sequence's window ends (``next_stop``)."""
         self.max_window_tokens = max_window_tokens
         self.prefill_first = prefill_first
         self.max_prefill_seqs = max_prefill_seqs
@@ -92,13 +93,24 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def next_stop(self, seqs: list[Sequence]) -> int | None:
+        """Steps until the youngest audio sequence of ``seqs`` reaches its next window stop (``window_stops``),
+        where its window ends; None once it is past the last (or for text sequences). Only the youngest sets
+        it: the older ones pass their stops inside its window, and under a steady flow of arrivals windows cut
+        at every sequence's stop would be a step or two long."""
+        ages = [seq.num_generated for seq in seqs if not seq.text_mode]
+        if not ages:
+            return None
+        n = min(ages)
+        return next((stop - n for stop in self.window_stops if stop > n), None)
+
     def before_first_audio(self) -> bool:
         """Whether the next step serves sequences on their way to their first audio: prompts to compute
-        (waiting requests, a chunked prompt's rest) or an audio sequence younger than ``first_window_tokens``
-        (its short first window). Such a step is short, and a stream's first audio waits for it."""
+        (waiting requests, a chunked prompt's rest) or an audio sequence short of the first window stop (its
+        short first window). Such a step is short, and a stream's first audio waits for it."""
+        first = self.window_stops[0] if self.window_stops else 0
         return bool(self.waiting) or any(
-            not _decodes(seq) or (not seq.text_mode and seq.num_generated < self.first_window_tokens)
-            for seq in self.running)
+            not _decodes(seq) or (not seq.text_mode and seq.num_generated < first) for seq in self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -148,11 +160,10 @@ class Scheduler:
         single step if any lacks them: a longer window never preempts anybody."""
         bm, k = self.block_manager, self.window_steps(len(out.scheduled))
         self._sized_at = self._num_added
-        youngest = min(s.seq.num_generated for s in out.scheduled)
-        text = out.scheduled[0].seq.text_mode
-        if youngest < self.first_window_tokens and not text:  # a short window brings it to its first audio sooner
-            k = min(k, self.first_window_tokens - youngest)
         seqs = [s.seq for s in out.scheduled]
+        stop = self.next_stop(seqs)
+        if stop is not None:  # a short window brings a young stream to its first audio (or its next chunk) sooner
+            k = min(k, stop)
         k = min(k, max(seq.max_tokens - len(seq) for seq in seqs))  # no steps past every length limit
         if k < 2:
             return
@@ -165,9 +176,13 @@ class Scheduler:
         reserved) if the batch could change before it: a request waiting, a sequence not in the batch, the
         running window short (a short first window is there for latency: it is reported before more is
         queued, as CUDA graph replays are host-bound at batch 1: docs/perf/), a sequence
-        finished or reaching its length limit inside the running window, or too few free blocks."""
+        finished or reaching its length limit inside the running window, the youngest short of a window stop
+        after it (its window ends there), or too few free blocks."""
         k = self.window_steps(len(seqs))
         if self.waiting or len(self.running) != len(seqs) or num_steps < k:
+            return 0
+        stop = self.next_stop(seqs)
+        if stop is not None and stop > num_steps:  # the youngest is short of a stop after it: its window ends there
             return 0
         wanted = []  # tokens past the appended ones: the running window's, then the next one's
         for seq in seqs:
