@@ -401,7 +401,7 @@ def test_accept_appends_until_eos_or_the_length_limit_and_finishes_there():
 
 
 def test_engine_config_checks_window_stops():
-    assert EngineConfig().window_stops == (16, 24) and EngineConfig(window_stops=()).window_stops == ()
+    assert EngineConfig().window_stops == (16,) and EngineConfig(window_stops=()).window_stops == ()
     for bad in ((24, 16), (16, 16), (0, 8), [16, 24], (True,), 16, (8.0,)):
         with pytest.raises(ValueError, match="window_stops must be a tuple of increasing ints >= 1"):
             EngineConfig(window_stops=bad)

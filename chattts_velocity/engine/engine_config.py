@@ -55,14 +55,13 @@ class EngineConfig:
     window runs waits for it, and under a server's load (hundreds of sequences) a full window is a long wait;
     capping the tokens caps that wait. A window no arrival waits for runs ``num_decode_steps``. None: always
     ``num_decode_steps`` (best throughput)."""
-    window_stops: tuple[int, ...] = (16, 24)
-    """Generated-token counts where an audio stream's first chunks become decodable (with ``StreamConfig``'s
-    defaults: its first audio at ``first_chunk + lookahead`` = 16 tokens, its second chunk at 24). A batch
-    whose youngest audio sequence is short of the last stop runs a window that ends at that sequence's next
-    stop, so neither the first audio nor the chunk after it waits for a full window: the first chunk
-    holds 8 tokens (0.17 s of audio), and at hundreds of streams a full window and its audio round can take
-    longer than that, so playback started at the first chunk would run dry (`chattts-velocity bench stream`;
-    docs/perf/). Increasing ints >= 1; () disables."""
+    window_stops: tuple[int, ...] = (16,)
+    """Generated-token counts where a young audio stream's window ends: a batch whose youngest audio sequence
+    is short of the last stop runs a window that ends at that sequence's next stop, so its first audio
+    (``StreamConfig.first_chunk + lookahead`` tokens, 16 by default) does not wait for a full window. A second
+    stop at the second chunk (24 with ``StreamConfig``'s defaults) keeps that chunk from waiting for a full
+    window as well, at the cost of one more window end (a report and an audio round) per young stream; it is
+    not the default (docs/perf/stream.md). Increasing ints >= 1; () disables."""
     prefill_first: bool | None = None
     """A step that has prompts to compute (waiting requests, a long prompt's next chunk) computes prompts only,
     and the running sequences decode in the next step (a window). Mixed into one step, a few new prompts beside
