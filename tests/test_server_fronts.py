@@ -10,6 +10,7 @@ import asyncio
 import io
 import os
 import signal
+import threading
 import time
 import wave
 
@@ -148,25 +149,60 @@ def test_a_front_that_dies_is_replaced_its_requests_aborted(server):
     assert "exited with -9: started a new one" in server.log_path.read_text()
 
 
-def test_sigterm_drains_the_fronts_and_exits_0(server):
-    async def in_flight():
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as client:
-            first = asyncio.create_task(client.post(server.url + "/v1/audio/speech", json=body(LONG, seed=1),
-                                                    headers=AUTH))
-            queued = asyncio.create_task(client.post(server.url + "/v1/audio/speech", json=body(LONG, seed=2),
-                                                     headers=AUTH))
-            await asyncio.sleep(0.5)
-            server.terminate()
-            await asyncio.sleep(0.3)
-            try:
-                late = (await client.post(server.url + "/v1/audio/speech", json=body(), headers=AUTH)).status_code
-            except httpx.ConnectError:  # the listening socket is closed already
-                late = "refused"
-            return await first, await queued, late
+def test_sigterm_to_every_process_drains_the_fronts_and_exits_0(server):
+    """SIGTERM to every process of the server, as a service manager's stop (systemd signals every process of a
+    service) or a ``kill`` of the process group sends it: the other front ignores it and drains on the first
+    front's word (``FRONT_SIGNAL``; with both signals it cut its streams off and logged tracebacks), so a stream
+    in flight on it and one queued behind it finish, a late request is refused, and the server exits 0."""
+    fronts = listening_pids([server.proc.pid, *engine_processes(server.proc.pid)], server.port)
+    child = next(pid for pid in fronts if pid != server.proc.pid)
+    pinned, other = _connection_to(server, child), httpx.Client(timeout=120)
+    results: dict[str, httpx.Response | BaseException] = {}
+    last: dict[str, float] = {}  # when each stream's latest bytes came
+    started = threading.Event()
 
-    first, queued, late = asyncio.run(in_flight())
-    assert first.status_code == queued.status_code == 200
-    assert len(first.content) == len(queued.content) > 0
-    assert late in (503, "refused")
+    def stream(name: str, client: httpx.Client, seed: int) -> None:
+        try:
+            with client.stream("POST", server.url + "/v1/audio/speech", json=body(LONG, seed=seed),
+                               headers=AUTH) as r:
+                data = b""
+                for chunk in r.iter_bytes():
+                    data += chunk
+                    started.set()
+                    last[name] = time.monotonic()
+                results[name] = r, data
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            results[name] = e
+
+    threads = [threading.Thread(target=stream, args=("on the other front", pinned, 1)),
+               threading.Thread(target=stream, args=("queued", other, 2))]
+    threads[0].start()
+    assert started.wait(60), "no audio came"
+    threads[1].start()
+    time.sleep(0.05)
+    for pid in [child, *engine_processes(server.proc.pid)]:  # theirs first: the first front's word comes after
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.1)
+    os.kill(server.proc.pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    time.sleep(0.3)
+    try:
+        late = httpx.post(server.url + "/v1/audio/speech", json=body(), headers=AUTH, timeout=30).status_code
+    except httpx.ConnectError:  # the listening sockets are closed already
+        late = "refused"
+    for t in threads:
+        t.join(120)
+    pinned.close()
+    other.close()
     assert server.proc.wait(60) == 0
+    sizes = set()
+    for name, result in results.items():
+        assert not isinstance(result, BaseException), f"{name}: {result!r}"
+        response, data = result
+        assert response.status_code == 200, name
+        sizes.add(len(data))
+    assert len(results) == 2 and len(sizes) == 1 and sizes.pop() > 0  # both in full (equal lengths: forced)
+    assert last["on the other front"] > signalled, "the signal came after that stream: it was not in flight"
+    assert late in (503, "refused")
     assert engine_processes(server.proc.pid) == []
+    assert "Traceback" not in server.log_path.read_text()

@@ -43,7 +43,7 @@ from ..serving.engine_process.remote import RemoteClient
 from ..serving.voices import Voice
 from .app import build_app
 from .metrics import labelled
-from .run import _admission, _die_with_parent, _run_front, _server
+from .run import _admission, _die_with_parent, _run_front, _server, order
 from .settings import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -310,11 +310,11 @@ class ReplicaFronts:
         return None
 
     def close(self, timeout_s: float) -> None:
-        """Drain the fronts (SIGTERM: the streams in flight finish, up to ``timeout_s``), then stop them."""
+        """Drain the fronts (``run.FRONT_SIGNAL``: the streams in flight finish, up to ``timeout_s``), then stop
+        them."""
         self._closing = True
         for process, _, _ in self.fronts:
-            if process.is_alive():
-                process.terminate()
+            order(process)
         deadline = time.monotonic() + timeout_s + 5
         for process, desk_end, sock_end in self.fronts:
             process.join(max(0.1, deadline - time.monotonic()))
@@ -347,7 +347,7 @@ def front_main(ends: FrontEnds, index: int, counts, config: ServerConfig, replic
 
     threading.Thread(target=follow_drain, name="replica-drain", daemon=True).start()
     freeze_long_lived()
-    server = _server(app, config, None, None, log_level, ignore_sigint=True)
+    server = _server(app, config, None, None, log_level, follower=True)
     if not sock_conn.recv():  # the replica found no socket to share
         client.close()
         sys.exit(0)

@@ -60,20 +60,39 @@ def launch(settings: ServeSettings) -> int:
     return serve_local(settings)
 
 
+FRONT_SIGNAL = signal.SIGUSR1
+"""What the first front sends each other front for every signal it handles (``order``): the first drains that
+front, a second stops it at once. The other fronts ignore SIGINT and SIGTERM, which a Ctrl-C, a ``kill`` of the
+process group or a service manager's stop (systemd signals every process of a service) send them too: with
+both the group's signal and the forwarded one, a front would take the second for "stop now" and cut its
+streams off instead of draining them."""
+
+
+def order(process) -> None:
+    """Send a front process (other than the first) ``FRONT_SIGNAL``, if it is still running."""
+    if process.is_alive():
+        try:
+            os.kill(process.pid, FRONT_SIGNAL)
+        except ProcessLookupError:  # it exited meanwhile
+            pass
+
+
 class _DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state, timeout_s: float, on_signal=None, ignore_sigint: bool = False):
+    def __init__(self, config: uvicorn.Config, state, timeout_s: float, on_signal=None, follower: bool = False):
         """``on_signal(sig)`` is called with every signal this server handles (the first front forwards them
-        to the others); ``ignore_sigint``: a front other than the first, whose signals come from the first
-        (a Ctrl-C reaches the whole process group)."""
+        to the others); ``follower``: a front other than the first, whose signals come from the first
+        (``FRONT_SIGNAL``; SIGINT and SIGTERM are ignored)."""
         super().__init__(config)
         self.state, self.timeout_s = state, timeout_s
-        self.on_signal, self.ignore_sigint = on_signal, ignore_sigint
+        self.on_signal, self.follower = on_signal, follower
+        if follower:
+            signal.signal(FRONT_SIGNAL, self.handle_exit)
         self.exit_code = 0
         """1 once the engine is gone (``engine_lost``): the process exits non-zero, for its supervisor."""
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def handle_exit(self, sig, frame) -> None:
-        if self.ignore_sigint and sig == signal.SIGINT:
+        if self.follower and sig in (signal.SIGINT, signal.SIGTERM):
             return
         if self.on_signal is not None:
             self.on_signal(sig)
@@ -177,10 +196,9 @@ def serve_fronts(settings: ServeSettings) -> int:
         # collection walking them pauses the front's event loop, and every response's headers with it
         freeze_long_lived()
 
-        def forward(sig) -> None:  # SIGTERM to every other front: the first drains, a second stops now
+        def forward(sig) -> None:  # to every other front: the first drains, a second stops now
             for process in others:
-                if process.is_alive():
-                    process.terminate()
+                order(process)
 
         server = _server(app, config, host, port, settings.log_level, on_signal=forward)
         client.on_lost = server.engine_lost
@@ -246,8 +264,7 @@ def _stop_fronts(others: list, config: ServerConfig, stopped_by_signal: bool) ->
     """Wait for the other fronts to drain as this one did (stopping them first if no signal did)."""
     if not stopped_by_signal:
         for process in others:
-            if process.is_alive():
-                process.terminate()
+            order(process)
     for process in others:
         process.join(config.shutdown_timeout_s + 10)
         if process.is_alive():
@@ -261,11 +278,11 @@ def _admission(config: ServerConfig, counts, index: int) -> Admission:
 
 
 def _server(app: FastAPI, config: ServerConfig, host: str | None, port: int | None, log_level: str,
-            on_signal=None, ignore_sigint: bool = False) -> _DrainingServer:
+            on_signal=None, follower: bool = False) -> _DrainingServer:
     kw = {} if host is None else dict(host=host, port=port)
     uvi = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=config.keep_alive_s,
                          http=uvicorn_protocol(config), **kw)
-    return _DrainingServer(uvi, app.state.speech, config.shutdown_timeout_s, on_signal, ignore_sigint)
+    return _DrainingServer(uvi, app.state.speech, config.shutdown_timeout_s, on_signal, follower)
 
 
 def _listen(host: str, port: int, alone: bool = False) -> socket.socket:
@@ -303,7 +320,7 @@ def _front_main(ends: FrontEnds, index: int, counts, config: ServerConfig, host:
     client.wait_ready()
     app = build_app(client, config, _admission(config, counts, index))
     freeze_long_lived()
-    server = _server(app, config, None, None, log_level, ignore_sigint=True)
+    server = _server(app, config, None, None, log_level, follower=True)
     _run_front(server, client, _listen(host, port))
 
 
@@ -318,8 +335,8 @@ def _run_front(server: _DrainingServer, client: RemoteClient, sock: socket.socke
     sys.exit(server.exit_code)
 
 
-def _die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Have the kernel send this process ``sig`` (SIGTERM: a drain) if the process that started it dies (Linux);
+def _die_with_parent(sig: int = FRONT_SIGNAL) -> None:
+    """Have the kernel send this process ``sig`` (``FRONT_SIGNAL``: a drain) if the process that started it dies (Linux);
     exit at once if it died already, before this took effect."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
