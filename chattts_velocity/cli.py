@@ -192,6 +192,10 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--open-window-max-seqs", type=int, default=None, metavar="N",
                    help="engine: a decode window of at most N sequences ends early when a request arrives, so "
                         "its prompt step waits a few steps, not the rest of the window (default: 16; 0: never)")
+    s.add_argument("--window-stops", default=None, metavar="N,N",
+                   help="engine: generated-token counts where a young stream's decode window ends, so its first "
+                        "chunks do not wait for a full window (default: 16, its first audio; 16,24: its second "
+                        "chunk too, at one more window end per request; none: no stops)")
     s.add_argument("--log-level", default=ServeSettings.log_level, choices=LOG_LEVELS,
                    help="server log level (default: %(default)s)")
     r = s.add_argument_group("replicas (Ray Serve: pip install -e \".[scale]\" from a clone, or "

@@ -43,10 +43,11 @@ def test_summary_has_first_audio_and_start_delay_percentiles():
 
 def test_a_run_on_the_tiny_checkpoint_reports_each_level(tmp_path):
     cfg = StreamBenchConfig(streams=(1, 3), tokens=60, size="tiny", device="cpu", repeats=1,
-                            reference_max_streams=0, json_path=None)
+                            reference_max_streams=0, json_path=None, window_stops=(16, 24))
     report = run_stream_bench(cfg)
     assert [row["streams"] for row in report["rows"]] == [1, 3]
     for row in report["rows"]:
         assert row["path"] == "velocity" and 0 <= row["start_delay_p50_ms"] <= row["start_delay_p95_ms"]
         assert row["ttfa_p50_ms"] <= row["ttfa_p95_ms"] <= row["ttfa_p99_ms"] and row["audio_s_per_s"] > 0
     assert "underruns" in report["definitions"] and "start delay p50 / p95 ms" in format_table(report)
+    assert report["window_stops"] == [16, 24]  # what the engine ran with

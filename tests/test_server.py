@@ -389,6 +389,13 @@ def test_serve_options_map_onto_one_settings_object():
     assert not cli().server.audio_thread and cli("--audio-thread").server.audio_thread
     assert cli("--open-window-max-seqs", "0").load["open_window_max_seqs"] == 0  # (default: the engine's,
     assert "open_window_max_seqs" not in cli().load  # which checks the value: EngineConfig)
+    assert "window_stops" not in cli().load  # the engine's default
+    assert cli("--window-stops", "16,24").load["window_stops"] == (16, 24)
+    assert cli("--window-stops", "none").load["window_stops"] == ()
+    assert cli("--window-stops", "16,24") == ServeSettings.from_options(parse_options({"window_stops": "16,24"}))
+    for bad in ("24,16", "16,x", "0"):  # said before the model loads
+        with pytest.raises(ValueError, match="window_stops must be"):
+            cli("--window-stops", bad)
     assert cli("--dummy", "--max-concurrent", "2") == ServeSettings.from_options(
         parse_options({"dummy": "true", "max_concurrent": 2}))
     with pytest.raises(ValueError, match="replica runs its engine in a process of its own already"):

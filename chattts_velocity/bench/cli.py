@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..server.settings import parse_window_stops
 from .agreement import AgreementConfig
 from .agreement import run_and_report as run_agreement
 from .config import DEFAULT_BATCHES, DTYPES, SIZES, BenchConfig
@@ -84,6 +85,7 @@ def _bench(args: argparse.Namespace) -> int:
             repeats=args.repeats if args.repeats > 1 else 2,
             reference_max_streams=0 if args.skip_reference else args.reference_max_batch,
             json_path=args.json if args.json != "bench.json" else "bench_stream.json",
+            window_stops=parse_window_stops(args.window_stops),
         ))
         return 0
     run_and_report(bench_config(args))
@@ -146,6 +148,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--plot", default=None, metavar="PNG",
                    help="also draw a chart (needs matplotlib) (default: none)")
     b.add_argument("--skip-reference", action="store_true", help="measure the velocity engine only")
+    b.add_argument("--window-stops", default=None, metavar="N,N",
+                   help="stream mode: the engine's window stops, as serve --window-stops (default: the engine's)")
     b.add_argument("--reference-max-batch", type=int, default=None, metavar="N",
                    help="run the reference only at batches <= N (default: every batch)")
     b.add_argument("--seed", type=int, default=0,

@@ -56,6 +56,8 @@ class StreamBenchConfig:
     """Timed runs per variant; every figure is the median over them (underruns: the most)."""
     reference_max_streams: int | None = None
     """Run the reference only up to this many streams; None: every variant."""
+    window_stops: tuple[int, ...] | None = None
+    """``EngineConfig.window_stops`` of the velocity engine; None: its default."""
     json_path: str | None = "bench_stream.json"
 
     def __post_init__(self) -> None:
@@ -107,7 +109,8 @@ def load_bench_chat(cfg: StreamBenchConfig, max_streams: int) -> Chat:
     """A ``Chat`` over ``cfg``'s random weights, with room for ``max_streams`` streams."""
     device = resolve_device(cfg.device)
     chat = Chat()
-    kw = dict(device=device, engine_dtype=cfg.dtype or default_engine_dtype(device), max_num_seqs=max(max_streams, 1))
+    kw = dict(device=device, engine_dtype=cfg.dtype or default_engine_dtype(device), max_num_seqs=max(max_streams, 1),
+              window_stops=cfg.window_stops)
     if cfg.size == "full":
         chat.load(load_format="dummy", **kw)
     else:
@@ -191,7 +194,7 @@ def _median(runs: list[dict]) -> dict:
 
 def run_stream_bench(cfg: StreamBenchConfig) -> dict:
     chat = load_bench_chat(cfg, max(cfg.streams))
-    device = device_name(chat.device)
+    device, stops = device_name(chat.device), list(chat.engine.engine.config.window_stops)
     try:
         # warm-up: the wav decode's graphs of every batch bucket (a capture at first use stalls a level's round,
         # as a server's warm-up avoids), kernels, audio shapes
@@ -207,7 +210,7 @@ def run_stream_bench(cfg: StreamBenchConfig) -> dict:
                 rows.append(dict(path="reference", **_median(runs)))
     finally:
         chat.unload()
-    return dict(config=asdict(cfg), device=device, definitions=DEFINITIONS, rows=rows)
+    return dict(config=asdict(cfg), device=device, window_stops=stops, definitions=DEFINITIONS, rows=rows)
 
 
 def format_table(report: dict) -> str:
@@ -222,7 +225,8 @@ def format_table(report: dict) -> str:
 
 def run_and_report(cfg: StreamBenchConfig) -> dict:
     report = run_stream_bench(cfg)
-    print(f"device: {report['device']}, {cfg.tokens} tokens per stream, median of {cfg.repeats} runs")
+    print(f"device: {report['device']}, {cfg.tokens} tokens per stream, median of {cfg.repeats} runs, window stops "
+          f"{report['window_stops']}")
     print(format_table(report))
     for r in report["rows"]:
         if r["stalls_at_chunk"]:

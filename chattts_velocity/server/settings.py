@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.engine_config import ENGINE_DTYPES
+from ..engine.engine_config import ENGINE_DTYPES, EngineConfig
 
 API_KEY_ENV = "CHATTTS_VELOCITY_API_KEY"
 SOURCES = ("huggingface", "local")
@@ -39,7 +39,7 @@ OPTIONS: dict[str, type] = {
     "header_timeout": float, "body_timeout": float, "max_connections": int, "engine_timeout": float,
     # the engine
     "max_num_seqs": int, "kv_cache_gib": float, "engine_dtype": str, "max_window_tokens": int,
-    "open_window_max_seqs": int,
+    "open_window_max_seqs": int, "window_stops": str,
     # the topology
     "engine_process": bool, "fronts": int, "replicas": int, "min_replicas": int, "max_replicas": int,
     "gpus_per_replica": float, "ray_address": str, "ingress": str,
@@ -256,7 +256,8 @@ class ServeSettings:
         load = dict(model_load(o["model"], bool(o["dummy"]), o["source"] or SOURCES[0], o["device"]),
                     max_num_seqs=o["max_num_seqs"] or server.max_concurrent * server.in_flight_sentences,
                     kv_cache_gib=o["kv_cache_gib"], engine_dtype=o["engine_dtype"], max_window_tokens=window or None,
-                    **_given(open_window_max_seqs=o["open_window_max_seqs"]))
+                    **_given(open_window_max_seqs=o["open_window_max_seqs"],
+                             window_stops=parse_window_stops(o["window_stops"])))
         return cls(load, server, threads=o["threads"], scale=_scale(o, replicas), **_given(
             host=o["host"], port=o["port"], log_level=o["log_level"], engine_process=o["engine_process"],
             fronts=o["fronts"]))
@@ -281,6 +282,21 @@ def parse_options(args: Mapping[str, object]) -> dict[str, Any]:
         except ValueError:
             raise ValueError(f"{key} must be {'an int' if kind is int else 'a number'}, got {text!r}") from None
     return typed
+
+
+def parse_window_stops(text: str | None) -> tuple[int, ...] | None:
+    """``--window-stops``: "16,24" as (16, 24), "none" as () (no stops); None as None (the engine's default)."""
+    if text is None:
+        return None
+    text = text.strip()
+    if text.lower() in ("", "none"):
+        return ()
+    try:
+        stops = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"window_stops must be ints separated by commas (16,24) or none, got {text!r}") from None
+    EngineConfig(window_stops=stops)  # increasing, >= 1: said now, not once the model has loaded
+    return stops
 
 
 def model_load(model: str | None, dummy: bool, source: str, device: str | None) -> dict:
