@@ -114,7 +114,7 @@ class Chat(UpstreamAttributes):
              num_kv_blocks: int | None = None, kv_cache_gib: float | None = None, max_num_seqs: int = 64,
              max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
              engine_dtype: str = "float32", max_window_tokens: int | None = None,
-             open_window_max_seqs: int = 16, window_stops: tuple[int, ...] | None = None,
+             open_window_max_seqs: int = 16, window_stops: tuple[int, ...] = EngineConfig.window_stops,
              stream_config: StreamConfig | None = None) -> bool:
         """Load ChatTTS from ``source`` ("huggingface", "local" or "custom"; see ``resolve_model_dir``), or random
         full-size weights with ``load_format="dummy"``, and start the velocity engine over it.
@@ -125,7 +125,7 @@ class Chat(UpstreamAttributes):
         are prefilled in chunks); ``enable_prefix_caching``; ``engine_dtype`` of the Llama core;
         ``max_window_tokens`` caps a decode window's steps x sequences (shorter waits for arriving requests);
         a window of at most ``open_window_max_seqs`` sequences ends early for a request that arrives (0: never);
-        ``window_stops`` where a young stream's windows end (None: ``EngineConfig``'s default);
+        ``window_stops`` where a young stream's decode windows end (its first chunks);
         ``stream_config`` the streaming decode's chunking and context (``StreamConfig``).
         ``compile``, ``use_flash_attn``, ``use_vllm``, ``experimental`` and ``enable_cache`` are accepted for
         compatibility and change nothing.
@@ -141,7 +141,7 @@ class Chat(UpstreamAttributes):
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, dtype=engine_dtype, max_window_tokens=max_window_tokens,
-            open_window_max_seqs=open_window_max_seqs, **({} if window_stops is None else {"window_stops": window_stops}),
+            open_window_max_seqs=open_window_max_seqs, window_stops=window_stops,
         )
         device = resolve_device(device)
         loader = ModelLoader(device, load_format)

@@ -21,14 +21,15 @@ def make(num_blocks=16, block_size=4, max_num_seqs=8, max_tokens=64, watermark=0
 
 
 def run_step(sched: Scheduler, new_token: int = 7):
-    """Schedule, then do what the engine does after the model: mark computed, sample a token where due."""
+    """Schedule, then do what the engine does after the model: mark computed, sample a token where due (a
+    decode window: ``num_steps`` of each)."""
     out = sched.schedule()
     for item in out.scheduled:
         samples = item.samples
-        item.seq.num_computed_tokens += item.num_new_tokens
+        item.seq.num_computed_tokens += out.num_steps if out.num_steps > 1 else item.num_new_tokens
         sched.block_manager.cache_full_blocks(item.seq)
         if samples:
-            item.seq.extend([(new_token,) * 4])
+            item.seq.extend([(new_token,) * 4] * out.num_steps)
     return out
 
 
@@ -187,11 +188,8 @@ def test_mixed_audio_and_text_decodes_take_turns_in_windows():
     assert plan(first) == [("a0", 5), ("a1", 5), ("t", 6)] and first.num_steps == 1
     turns = []
     for _ in range(4):
-        out = sched.schedule()
+        out = run_step(sched)
         turns.append((sorted(s.seq.request_id for s in out.scheduled), out.num_steps))
-        for item in out.scheduled:  # what the engine does after a window of num_steps tokens
-            item.seq.num_computed_tokens += out.num_steps
-            item.seq.extend([(7,) * 4] * out.num_steps)
     assert turns == [(["t"], 8), (["a0", "a1"], 8), (["t"], 8), (["a0", "a1"], 8)]
     assert all(len(seq.block_table) == bm.blocks_for(len(seq)) for seq in (*audio, text))
 
@@ -233,12 +231,8 @@ def test_max_window_tokens_shortens_the_windows_of_large_batches():
     for turn in range(6):
         if turn == 3:
             sched.add(make_seq(5, request_id="late", max_new=400))
-        out = sched.schedule()
+        out = run_step(sched)
         windows.append((len(out.scheduled), out.num_steps))
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += out.num_steps if out.num_steps > 1 else item.num_new_tokens
-            if item.samples:
-                item.seq.extend([(7,) * 4] * out.num_steps)
     assert windows[:3] == [(40, 8), (40, 32), (40, 32)], windows
     assert windows[3:] == [(41, 1), (41, 8), (41, 32)], windows  # its prompt beside one decode step each
 
@@ -284,12 +278,8 @@ def test_window_stops_end_a_young_streams_windows_at_its_first_chunks():
         for turn in range(turns):
             if turn == late_at:
                 sched.add(make_seq(5, request_id="late", max_new=400))
-            plan_ = sched.schedule()
-            out.append((len(plan_.scheduled), plan_.num_steps))
-            for item in plan_.scheduled:
-                item.seq.num_computed_tokens += plan_.num_steps if plan_.num_steps > 1 else item.num_new_tokens
-                if item.samples:
-                    item.seq.extend([(7,) * 4] * plan_.num_steps)
+            step = run_step(sched)
+            out.append((len(step.scheduled), step.num_steps))
         return out
 
     # the prompt step makes token 1; then windows to 16 and 24 tokens, then full ones

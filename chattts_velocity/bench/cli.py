@@ -79,13 +79,14 @@ def _bench(args: argparse.Namespace) -> int:
     if args.mode == "stream":
         if args.dtype and len(args.dtype) > 1:
             raise ValueError(f"bench stream measures one engine dtype, got --dtype {' '.join(args.dtype)}")
+        stops = StreamBenchConfig.window_stops if args.window_stops is None else parse_window_stops(args.window_stops)
         run_stream(StreamBenchConfig(
             streams=tuple(args.streams), tokens=args.tokens, size=args.size, device=args.device,
             dtype=args.dtype[0] if args.dtype else None,
             repeats=args.repeats if args.repeats > 1 else 2,
             reference_max_streams=0 if args.skip_reference else args.reference_max_batch,
             json_path=args.json if args.json != "bench.json" else "bench_stream.json",
-            window_stops=parse_window_stops(args.window_stops),
+            window_stops=stops,
         ))
         return 0
     run_and_report(bench_config(args))

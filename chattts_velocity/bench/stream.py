@@ -21,6 +21,7 @@ import numpy as np
 from ..chat import Chat
 from ..constants import SAMPLE_RATE
 from ..device import default_engine_dtype, resolve_device
+from ..engine import EngineConfig
 from ..model.checkpoint import write_checkpoint
 from .runner import device_name
 
@@ -56,8 +57,8 @@ class StreamBenchConfig:
     """Timed runs per variant; every figure is the median over them (underruns: the most)."""
     reference_max_streams: int | None = None
     """Run the reference only up to this many streams; None: every variant."""
-    window_stops: tuple[int, ...] | None = None
-    """``EngineConfig.window_stops`` of the velocity engine; None: its default."""
+    window_stops: tuple[int, ...] = EngineConfig.window_stops
+    """``EngineConfig.window_stops`` of the velocity engine."""
     json_path: str | None = "bench_stream.json"
 
     def __post_init__(self) -> None:
@@ -176,19 +177,19 @@ def summarize(records: list[StreamRecord]) -> dict:
         underruns=sum(r.underrun() for r in records), start_delay_p50_ms=1e3 * float(np.percentile(delay, 50)),
         start_delay_p95_ms=1e3 * float(np.percentile(delay, 95)),
         chunks_p50=float(np.median([len(r.arrivals) for r in records])),
-        stalls_at_chunk=_count(r.stall_chunk() for r in records),
+        stalls_at_chunk=_by_chunk(Counter(str(c) for r in records if (c := r.stall_chunk()) is not None)),
     )
 
 
-def _count(chunks) -> dict[str, int]:
-    counts = Counter(c for c in chunks if c is not None)
-    return {str(c): counts[c] for c in sorted(counts)}
+def _by_chunk(counts: Counter) -> dict[str, int]:
+    """Counts by chunk index (a string, as JSON keys are), in the chunks' order."""
+    return {c: counts[c] for c in sorted(counts, key=int)}
 
 
 def _median(runs: list[dict]) -> dict:
     out = {k: float(np.median([r[k] for r in runs])) for k in runs[0] if k != "stalls_at_chunk"}
     out.update(streams=runs[0]["streams"], underruns=max(r["underruns"] for r in runs), repeats=len(runs),
-               stalls_at_chunk=_count(int(c) for r in runs for c, n in r["stalls_at_chunk"].items() for _ in range(n)))
+               stalls_at_chunk=_by_chunk(sum((Counter(r["stalls_at_chunk"]) for r in runs), Counter())))
     return out
 
 
