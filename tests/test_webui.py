@@ -164,9 +164,10 @@ def test_stop_cancels_only_that_visitors_request_and_frees_its_blocks(url, chat,
     other_args = generate_args(speaker, SHORT * 3, stream=False, seed=11)
     expected = wav_of(visitor(url).predict(*other_args, api_name="/generate"))
     # slow every engine step, so that the stopper's sentences are still generating when Stop lands (the CPU
-    # engine finishes a 48-token sentence in a few ms, and a Stop between two sentences aborts nothing)
+    # engine finishes a 48-token sentence in a few ms, and a Stop between two sentences aborts nothing; with
+    # 30 ms a step, a loaded 2-core CI machine once let every sentence in flight end before Stop landed)
     engine, step = chat.engine.engine, chat.engine.engine.step
-    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.03), step())[1])
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.08), step())[1])
     stopper, other = visitor(url), visitor(url)
     before = set(chat.engine.stats().requests)
     stopped = stopper.submit(*generate_args(speaker, LONG, stream=True), api_name="/generate")
