@@ -30,7 +30,11 @@ from chattts_velocity.params import InferCodeParams, RefineTextParams
 from chattts_velocity.serving.client import EngineGoneError, EngineInfo
 from chattts_velocity.serving.engine_process.host import EngineHost, EngineSettings
 from chattts_velocity.serving.engine_process.messages import (
+    AudioBatch,
+    AudioItem,
     Call,
+    Collect,
+    Collected,
     EngineEnds,
     ErrorKind,
     Failed,
@@ -42,6 +46,7 @@ from chattts_velocity.serving.engine_process.messages import (
     open_pipes,
 )
 from chattts_velocity.serving.engine_process.remote import RemoteClient
+from chattts_velocity.serving.engine_process.shipper import Front, Shipper
 from chattts_velocity.serving.engine_process.remote_audio import RemoteAudio
 from chattts_velocity.serving.kit import SpeechKit
 from chattts_velocity.serving.local import LocalClient
@@ -201,6 +206,78 @@ def test_a_dead_engine_fails_what_is_in_flight_and_every_new_request():
     with pytest.raises(EngineGoneError, match="engine process"):
         asyncio.run(client.refine(["a"], RefineTextParams()))
     client.close()
+
+
+def test_a_message_whose_handling_fails_does_not_stop_the_front_reading_the_engine(caplog):
+    """A handler that raises (here the front's metrics, collected for another front) is logged and answered
+    without them; the front's reader threads go on, so later audio and calls still arrive. A reader that died
+    would leave every later request of this front waiting for audio that is never read."""
+    engine_ends, (ends,) = open_pipes(1)
+    (engine,) = engine_ends
+    kit = SimpleNamespace(speaker_stats=None, config=SimpleNamespace(hidden_size=8))
+    engine.events.send(Ready(EngineInfo("cpu", 4), kit))
+    client = RemoteClient(ends)
+    client.wait_ready(10)
+    fails = iter([True, False])
+
+    def own() -> list:
+        if next(fails):
+            raise RuntimeError("dictionary changed size during iteration")
+        return ["families"]
+
+    client.share_metrics(own)
+    engine.events.send(Collect((1, "c1")))
+    engine.events.send(Collect((1, "c2")))
+    assert engine.cmd.poll(10) and engine.cmd.recv() == Collected((1, "c1"), None)
+    assert engine.cmd.poll(10) and engine.cmd.recv() == Collected((1, "c2"), ["families"])
+    audio = client.start([], None, 4)
+    assert engine.cmd.poll(10) and isinstance(engine.cmd.recv(), Start)
+    engine.audio.send(AudioBatch([AudioItem(audio.rid, np.ones(5, np.float32)), AudioItem(audio.rid, None)]))
+    samples, failure = read(audio, 10)
+    assert failure is None and samples.tolist() == [1.0] * 5
+    assert "collecting this front's metrics for another front failed" in caplog.text
+    client.close()
+    engine.close()
+
+
+class _Chunks:
+    """A finished request's audio as the shipper reads it: ``chunks``, then the end."""
+
+    def __init__(self, chunks: list):
+        self._chunks = list(chunks)
+
+    def __next__(self):
+        if self._chunks:
+            return self._chunks.pop(0)
+        raise StopIteration
+
+    def on_ready(self, notify) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_request_whose_audio_cannot_be_shipped_fails_alone(caplog):
+    """The engine process's one shipper thread serves every front: a request it cannot ship (here chunks that
+    do not join) ends with the error, and the other request's audio still goes out."""
+    engine_ends, (ends,) = open_pipes(1)
+    shipper = Shipper()
+    front = Front(0, engine_ends[0])
+    shipper.add("bad", _Chunks([np.ones(3, np.float32), np.ones((2, 2), np.float32)]), front)
+    shipper.add("good", _Chunks([np.ones(4, np.float32)]), front)
+    items = []
+    deadline = time.monotonic() + 10
+    while len(items) < 3 and ends.audio.poll(max(0.0, deadline - time.monotonic())):
+        items += ends.audio.recv().items
+    bad = [item for item in items if item.rid == "bad"]
+    assert len(bad) == 1 and bad[0].chunk is None and "ValueError" in bad[0].failure
+    good = [item for item in items if item.rid == "good"]
+    assert [item.chunk.tolist() if item.chunk is not None else None for item in good] == [[1.0] * 4, None]
+    assert good[-1].failure is None
+    assert "shipping request bad's audio failed" in caplog.text
+    ends.close()
+    engine_ends[0].close()
 
 
 # ---------------------------------------------------------------------------- with the tiny checkpoint

@@ -95,10 +95,10 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class Collected:
-    """A front's answer to ``Collect``: its ``Metrics.own`` families."""
+    """A front's answer to ``Collect``: its ``Metrics.own`` families (None: it could not collect them)."""
 
     key: tuple[int, str]
-    families: list
+    families: list | None
 
 
 @dataclass(frozen=True, slots=True)

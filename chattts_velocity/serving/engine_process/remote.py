@@ -276,8 +276,11 @@ class RemoteClient(EngineClient):
             handler = handlers.get(type(msg))
             if handler is None:
                 logger.error("the engine process sent an unknown message %s: ignored", type(msg).__name__)
-            else:
+                continue
+            try:
                 handler(msg)
+            except Exception:  # noqa: BLE001 - one message's failure; a reader that stopped would strand the front
+                logger.exception("handling %s from the engine process failed", type(msg).__name__)
         self._lost()
 
     def _on_reply(self, msg: Reply) -> None:
@@ -293,7 +296,12 @@ class RemoteClient(EngineClient):
             audio.deliver(None, msg.message)
 
     def _on_collect(self, msg: Collect) -> None:
-        self._send_quietly(Collected(msg.key, self._own() if self._own is not None else []))
+        try:
+            families = self._own() if self._own is not None else []
+        except Exception:  # noqa: BLE001 - the asking front renders without ours rather than waiting for them
+            logger.exception("collecting this front's metrics for another front failed")
+            families = None
+        self._send_quietly(Collected(msg.key, families))
 
     def _on_voice(self, msg: VoiceAdded) -> None:
         self.voices.remember(msg.voice)

@@ -79,8 +79,15 @@ class Shipper:
                 entries = [(rid, self._audio.get(rid)) for rid in due]
             batches: dict[Front, list[AudioItem]] = {}
             for rid, entry in entries:
-                if entry is not None:
-                    self._take(rid, *entry, batches.setdefault(entry[1], []))
+                if entry is None:
+                    continue
+                out = batches.setdefault(entry[1], [])
+                try:
+                    self._take(rid, *entry, out)
+                except Exception as e:  # noqa: BLE001 - that request fails; the others' audio goes on
+                    logger.exception("shipping request %s's audio failed", rid)
+                    out.append(AudioItem(rid, None, f"{type(e).__name__}: {e}"))
+                    self.cancel(rid)
             for front, items in batches.items():
                 if items and front.open:
                     try:
