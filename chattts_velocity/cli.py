@@ -194,8 +194,9 @@ def _add_serve_parser(sub) -> None:
                         "its prompt step waits a few steps, not the rest of the window (default: 16; 0: never)")
     s.add_argument("--window-stops", default=None, metavar="N,N",
                    help="engine: generated-token counts where a young stream's decode window ends, so its first "
-                        "chunks do not wait for a full window (default: 16, its first audio; 16,24: its second "
-                        "chunk too, at one more window end per request; none: no stops)")
+                        "chunks do not wait for a full window (default: 16,24, its first audio and its second "
+                        "chunk, the second only while a full window would take over 50 ms; 16: the first only; "
+                        "none: no stops)")
     s.add_argument("--log-level", default=ServeSettings.log_level, choices=LOG_LEVELS,
                    help="server log level (default: %(default)s)")
     r = s.add_argument_group("replicas (Ray Serve: pip install -e \".[scale]\" from a clone, or "

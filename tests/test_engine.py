@@ -697,3 +697,26 @@ def test_one_fused_code_table_serves_the_prefill_steps_and_the_windows(chat, mak
     assert engine.runner.decoder._code_table is table
     emb = chat.model.gpt.embed.emb_code
     assert all(e.weight.data_ptr() == table[q * e.num_embeddings].data_ptr() for q, e in enumerate(emb))
+
+
+def test_the_engine_times_its_decode_windows_and_a_later_stop_follows_the_budget(chat, make_engine):
+    """The engine gives the scheduler each decode window's step time; a window stop after the first ends a
+    young stream's window only while a full window at that step time would outlast
+    ``window_stop_budget_ms``: always with a budget of 0, never with one no window reaches."""
+
+    def windows(budget_ms: float) -> tuple[list[int], float]:
+        engine = make_engine(num_decode_steps=8, window_stops=(3, 5), window_stop_budget_ms=budget_ms)
+        steps = []
+        collect = engine.runner.collect
+        engine.runner.collect = lambda w: (steps.append(w.num_steps) if w.decode else None, collect(w))[1]
+        engine.add_request("r", code_prompt(chat, "a young stream"), sampled(3, min_new_tokens=14,
+                                                                              max_new_tokens=14))
+        while engine.has_unfinished_requests():
+            engine.step()
+        return steps, engine.scheduler.step_s
+
+    # the prompt step samples token 1; then windows to 3 tokens and (with the later stop) to 5
+    steps, step_s = windows(0.0)
+    assert steps[:3] == [2, 2, 8] and step_s > 0
+    steps, step_s = windows(1e9)
+    assert steps[:2] == [2, 8] and step_s > 0

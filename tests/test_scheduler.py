@@ -391,7 +391,32 @@ def test_accept_appends_until_eos_or_the_length_limit_and_finishes_there():
 
 
 def test_engine_config_checks_window_stops():
-    assert EngineConfig().window_stops == (16,) and EngineConfig(window_stops=()).window_stops == ()
+    assert EngineConfig().window_stops == (16, 24) and EngineConfig(window_stops=()).window_stops == ()
     for bad in ((24, 16), (16, 16), (0, 8), [16, 24], (True,), 16, (8.0,)):
         with pytest.raises(ValueError, match="window_stops must be a tuple of increasing ints >= 1"):
             EngineConfig(window_stops=bad)
+    assert EngineConfig(window_stop_budget_ms=None).window_stop_budget_ms is None
+    for bad in (-1.0, "50", True):
+        with pytest.raises(ValueError, match="window_stop_budget_ms must be a number >= 0 or None"):
+            EngineConfig(window_stop_budget_ms=bad)
+
+
+def test_a_later_window_stop_applies_only_when_a_full_window_would_outlast_the_budget():
+    """``window_stop_budget_s``: the first stop always ends the youngest's window; a later one only while a
+    full window (``num_decode_steps`` at the measured ``step_s``) would take longer than the budget."""
+    bm = BlockSpaceManager(4096, 4, 0.0)
+    sched = Scheduler(bm, 64, 4096, num_decode_steps=32, window_stops=(16, 24))
+    sched.window_stop_budget_s = 0.05
+    seqs = [make_seq(5, request_id=f"r{i}", max_new=400) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    run_step(sched)  # the prompts: 1 token each
+    sched.step_s = 0.0  # nothing measured yet: the first stop holds all the same
+    assert sched.next_stop(seqs) == 15
+    assert run_step(sched).num_steps == 15
+    sched.step_s = 0.05 / 32  # a full window takes exactly the budget: it runs whole
+    assert sched.next_stop(seqs) is None and sched.continue_window(seqs, 32) == 32
+    sched.step_s = 0.002  # 64 ms a full window: it ends at the second chunk
+    assert sched.next_stop(seqs) == 8
+    assert run_step(sched).num_steps == 8
+    assert sched.next_stop(seqs) is None and run_step(sched).num_steps == 32  # past the last stop

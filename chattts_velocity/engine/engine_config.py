@@ -55,13 +55,19 @@ class EngineConfig:
     window runs waits for it, and under a server's load (hundreds of sequences) a full window is a long wait;
     capping the tokens caps that wait. A window no arrival waits for runs ``num_decode_steps``. None: always
     ``num_decode_steps`` (best throughput)."""
-    window_stops: tuple[int, ...] = (16,)
+    window_stops: tuple[int, ...] = (16, 24)
     """Generated-token counts where a young audio stream's window ends: a batch whose youngest audio sequence
     is short of the last stop runs a window that ends at that sequence's next stop, so its first audio
-    (``StreamConfig.first_chunk + lookahead`` tokens, 16 by default) does not wait for a full window. A second
-    stop at the second chunk (24 with ``StreamConfig``'s defaults) keeps that chunk from waiting for a full
-    window as well, at the cost of one more window end (a report and an audio round) per young stream; it is
-    not the default (docs/perf/stream.md). Increasing ints >= 1; () disables."""
+    (``StreamConfig.first_chunk + lookahead`` tokens, 16 by default) does not wait for a full window. The
+    second stop, at the second chunk (24 with ``StreamConfig``'s defaults), keeps that chunk from waiting for
+    a full window when a full window would outlast the first chunk's audio (``window_stop_budget_ms``).
+    Increasing ints >= 1; () disables."""
+    window_stop_budget_ms: float | None = 50.0
+    """A stop after the first applies only while a full decode window (``num_decode_steps`` at the step time
+    of the latest decode window) would take longer than this: then a young stream's next chunk would come
+    after its first chunk has played (8 tokens are 171 ms of audio), so the window ends at the stop. Below it
+    the window runs whole, sparing a window end (a report and an audio round) per young stream, which under a
+    steady flow of arrivals costs throughput (docs/perf/stream.md). None: every stop always applies."""
     prefill_first: bool | None = None
     """A step that has prompts to compute (waiting requests, a long prompt's next chunk) computes prompts only,
     and the running sequences decode in the next step (a window). Mixed into one step, a few new prompts beside
@@ -99,6 +105,9 @@ class EngineConfig:
         if (not isinstance(stops, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
                                                     for n in stops) or list(stops) != sorted(set(stops))):
             raise ValueError(f"window_stops must be a tuple of increasing ints >= 1, got {stops!r}")
+        budget = self.window_stop_budget_ms
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
+            raise ValueError(f"window_stop_budget_ms must be a number >= 0 or None, got {budget!r}")
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_gib is not None and not (isinstance(self.kv_cache_gib, (int, float)) and self.kv_cache_gib > 0):

@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,6 +77,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_decode_steps, config.window_stops, config.max_window_tokens,
                                    prefill_first, seqs, tokens)
+        self.scheduler.window_stop_budget_s = (None if config.window_stop_budget_ms is None
+                                               else config.window_stop_budget_ms / 1e3)
+        self._collected_at = 0.0
+        """``time.perf_counter()`` when the latest step's tokens were read (``_time_steps``)."""
         self.requests: dict[str, Sequence] = {}
         """The unfinished requests' sequences, by request id."""
         self._aborted: list[RequestOutput] = []
@@ -235,10 +240,14 @@ class LLMEngine:
         if not plan.scheduled:
             return None
         self._count(plan)
+        now = time.perf_counter()
         if may_open and plan.decode and self._runs_open(self._batch):
             self._open_mark = self._num_added
-            return self.runner.open(plan, self.config.window_lookahead)
+            window = self.runner.open(plan, self.config.window_lookahead)
+            window.launched_at = now
+            return window
         window = self.runner.launch(plan)
+        window.launched_at = now
         if not window.decode:  # a decode's one token is counted with its sample (``Scheduler.accept``)
             self.scheduler.computed(plan.scheduled)
         return window
@@ -263,6 +272,7 @@ class LLMEngine:
         if window.decode and not cut:
             self._window = self._continue(window)
         tokens = self.runner.collect(window)
+        self._time_steps(window)
         sampled = []
         for seq, seq_tokens, seq_hidden in zip(window.seqs, tokens, window.hidden.unbind(1), strict=True):
             if not seq.is_finished:  # not aborted while its window ran
@@ -271,6 +281,14 @@ class LLMEngine:
                 if window.decode:  # a sequence's usual step: it is no longer a suspect
                     self.scheduler.clear(seq)
         return sampled
+
+    def _time_steps(self, window: LaunchedStep) -> None:
+        """Give the scheduler the step time of a decode window whose tokens were just read: from its launch, or
+        from the previous window's read where it was queued behind that window (``Scheduler.step_s``)."""
+        now = time.perf_counter()
+        if window.decode and window.num_steps > 1:
+            self.scheduler.step_s = (now - max(window.launched_at, self._collected_at)) / window.num_steps
+        self._collected_at = now
 
     def _count(self, plan) -> None:
         t = self._totals
@@ -340,10 +358,14 @@ class LLMEngine:
             self.runner.wait(window)
             if self.arrivals():
                 return None
+        now = time.perf_counter()
         if self._runs_open(window.seqs):  # enough steps queued to cover the report and audio round before ``close``
             self._open_mark = self._num_added
-            return self.runner.launch_next(window, steps, lead=2 * self.config.window_lookahead)
-        return self.runner.launch_next(window, steps)
+            queued = self.runner.launch_next(window, steps, lead=2 * self.config.window_lookahead)
+        else:
+            queued = self.runner.launch_next(window, steps)
+        queued.launched_at = now
+        return queued
 
     def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:
         """Hand sampled tokens to the scheduler (which owns the sequence's state: ``Scheduler.accept``); keep the

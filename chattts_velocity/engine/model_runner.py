@@ -54,6 +54,8 @@ class LaunchedStep:
     """Recorded after that copy (CUDA); None on the CPU, where a launch is synchronous."""
     decode: bool
     """A decode window (``launch_next`` may queue the batch's next one behind it)."""
+    launched_at: float = 0.0
+    """``time.perf_counter()`` before it was launched (``LLMEngine`` times its steps from it)."""
 
 
 @dataclass
@@ -64,6 +66,8 @@ class OpenWindow:
     seqs: list[Sequence]
     planned: int
     """Steps the scheduler granted it (the blocks it reserved)."""
+    launched_at: float = 0.0
+    """As ``LaunchedStep.launched_at``; ``close`` passes it on."""
     queued: int = 0
     """Steps queued so far (on CUDA each followed by ``ModelRunner``'s event of that step)."""
 
@@ -176,7 +180,9 @@ class ModelRunner:
                 break
             self._queue(window)
         cut = window.queued < window.planned
-        return self._launched(window.seqs, *self.decoder.outputs(window.queued), decode=True), cut
+        step = self._launched(window.seqs, *self.decoder.outputs(window.queued), decode=True)
+        step.launched_at = window.launched_at
+        return step, cut
 
     def _launched(self, seqs: list[Sequence], hidden: Tensor, tokens: Tensor, decode: bool) -> LaunchedStep:
         """``tokens`` [K, n, Q] on their way to a host buffer (not waited for) and ``hidden`` [K, n, H]."""

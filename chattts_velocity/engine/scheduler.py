@@ -70,6 +70,11 @@ class Scheduler:
         self.num_decode_steps = num_decode_steps
         self.window_stops = window_stops
         """``EngineConfig.window_stops``: where the youngest audio sequence's window ends (``next_stop``)."""
+        self.window_stop_budget_s: float | None = None
+        """``EngineConfig.window_stop_budget_ms`` in seconds: a stop after the first applies only while
+        ``num_decode_steps`` steps of ``step_s`` would take longer. None: every stop applies."""
+        self.step_s = 0.0
+        """Seconds per step of the latest decode window (``LLMEngine`` measures it)."""
         self.max_window_tokens = max_window_tokens
         self.prefill_first = prefill_first
         self.max_prefill_seqs = max_prefill_seqs
@@ -95,14 +100,21 @@ class Scheduler:
 
     def next_stop(self, seqs: list[Sequence]) -> int | None:
         """Steps until the youngest audio sequence of ``seqs`` reaches its next window stop (``window_stops``),
-        where its window ends; None once it is past the last (or for text sequences). Only the youngest sets
+        where its window ends; None once it is past the last (or for text sequences), or where the next is a
+        later stop that a full window does not need (``window_stop_budget_s``). Only the youngest sets
         it: the older ones pass their stops inside its window, and under a steady flow of arrivals windows cut
         at every sequence's stop would be a step or two long."""
         ages = [seq.num_generated for seq in seqs if not seq.text_mode]
         if not ages:
             return None
         n = min(ages)
-        return next((stop - n for stop in self.window_stops if stop > n), None)
+        for i, stop in enumerate(self.window_stops):
+            if stop > n:
+                budget = self.window_stop_budget_s
+                if i and budget is not None and self.num_decode_steps * self.step_s <= budget:
+                    return None  # a full window still ends before the first chunk has played
+                return stop - n
+        return None
 
     def before_first_audio(self) -> bool:
         """Whether the next step serves sequences on their way to their first audio: prompts to compute
