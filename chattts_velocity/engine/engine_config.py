@@ -67,7 +67,11 @@ class EngineConfig:
     of the latest decode window) would take longer than this: then a young stream's next chunk would come
     after its first chunk has played (8 tokens are 171 ms of audio), so the window ends at the stop. Below it
     the window runs whole, sparing a window end (a report and an audio round) per young stream, which under a
-    steady flow of arrivals costs throughput (docs/perf/stream.md). None: every stop always applies."""
+    steady flow of arrivals costs throughput (docs/perf/stream.md). The windows' ends then follow the measured
+    step time, so two runs of one workload near the budget can end a window at different steps; a sequence that
+    finishes inside it then leaves the batch at another step, and on CUDA in float16, whose GEMMs round by the
+    batch's row count, the others' later tokens can differ. None: every stop always applies, and the schedule
+    depends on the workload alone."""
     prefill_first: bool | None = None
     """A step that has prompts to compute (waiting requests, a long prompt's next chunk) computes prompts only,
     and the running sequences decode in the next step (a window). Mixed into one step, a few new prompts beside
