@@ -241,10 +241,11 @@ def test_a_message_whose_handling_fails_does_not_stop_the_front_reading_the_engi
 
 
 class _Chunks:
-    """A finished request's audio as the shipper reads it: ``chunks``, then the end."""
+    """A finished request's audio as the shipper reads it: ``chunks``, then the end; ``broken``: its cancel
+    raises too."""
 
-    def __init__(self, chunks: list):
-        self._chunks = list(chunks)
+    def __init__(self, chunks: list, broken: bool = False):
+        self._chunks, self._broken = list(chunks), broken
 
     def __next__(self):
         if self._chunks:
@@ -255,16 +256,18 @@ class _Chunks:
         pass
 
     def cancel(self) -> None:
-        pass
+        if self._broken:
+            raise RuntimeError("cannot cancel")
 
 
 def test_a_request_whose_audio_cannot_be_shipped_fails_alone(caplog):
     """The engine process's one shipper thread serves every front: a request it cannot ship (here chunks that
-    do not join) ends with the error, and the other request's audio still goes out."""
+    do not join, and whose cancel raises as well) ends with the error, and the other request's audio still goes
+    out."""
     engine_ends, (ends,) = open_pipes(1)
     shipper = Shipper()
     front = Front(0, engine_ends[0])
-    shipper.add("bad", _Chunks([np.ones(3, np.float32), np.ones((2, 2), np.float32)]), front)
+    shipper.add("bad", _Chunks([np.ones(3, np.float32), np.ones((2, 2), np.float32)], broken=True), front)
     shipper.add("good", _Chunks([np.ones(4, np.float32)]), front)
     items = []
     deadline = time.monotonic() + 10

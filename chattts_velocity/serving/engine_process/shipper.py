@@ -4,6 +4,7 @@ and a write each, under the GIL its engine thread needs)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -87,7 +88,10 @@ class Shipper:
                 except Exception as e:  # noqa: BLE001 - that request fails; the others' audio goes on
                     logger.exception("shipping request %s's audio failed", rid)
                     out.append(AudioItem(rid, None, f"{type(e).__name__}: {e}"))
-                    self.cancel(rid)
+                    with self._cond:
+                        self._audio.pop(rid, None)
+                    with contextlib.suppress(Exception):  # its engine requests end (unless that is what failed)
+                        entry[0].cancel()
             for front, items in batches.items():
                 if items and front.open:
                     try:
