@@ -3,8 +3,11 @@ uses too), the first-audio percentiles, and a run on the tiny checkpoint."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from chattts_velocity.bench import cli as bench_cli
 from chattts_velocity.bench.stream import (
     StreamBenchConfig,
     StreamRecord,
@@ -50,4 +53,15 @@ def test_a_run_on_the_tiny_checkpoint_reports_each_level(tmp_path):
         assert row["path"] == "velocity" and 0 <= row["start_delay_p50_ms"] <= row["start_delay_p95_ms"]
         assert row["ttfa_p50_ms"] <= row["ttfa_p95_ms"] <= row["ttfa_p99_ms"] and row["audio_s_per_s"] > 0
     assert "underruns" in report["definitions"] and "start delay p50 / p95 ms" in format_table(report)
-    assert report["window_stops"] == [16, 24]  # what the engine ran with
+    assert report["window_stops"] == [16, 24] and report["window_stop_budget_ms"] == 50.0  # what the engine ran with
+
+
+@pytest.mark.parametrize(("argv", "repeats"), [([], 2), (["--repeats", "1"], 1), (["--repeats", "3"], 3)])
+def test_bench_stream_runs_as_many_times_as_asked_two_by_default(monkeypatch, argv, repeats):
+    ran = []
+    monkeypatch.setattr(bench_cli, "run_stream", ran.append)
+    parser = argparse.ArgumentParser()
+    bench_cli.add_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "stream", "--size", "tiny", *argv])
+    assert args.func(args) == 0
+    assert [cfg.repeats for cfg in ran] == [repeats]

@@ -25,8 +25,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         size=args.size, batches=tuple(args.batch), tokens=args.tokens, device=args.device,
         dtypes=tuple(args.dtype or ()),
         json_path=args.json, plot_path=args.plot, skip_reference=args.skip_reference,
-        reference_max_batch=args.reference_max_batch, seed=args.seed, repeats=args.repeats,
-        decode_batch=args.decode_batch, max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib,
+        reference_max_batch=args.reference_max_batch, seed=args.seed,
+        repeats=1 if args.repeats is None else args.repeats, decode_batch=args.decode_batch, max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib,
         prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
         show_progress=not args.no_progress,
     )
@@ -83,7 +83,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_stream(StreamBenchConfig(
             streams=tuple(args.streams), tokens=args.tokens, size=args.size, device=args.device,
             dtype=args.dtype[0] if args.dtype else None,
-            repeats=args.repeats if args.repeats > 1 else 2,
+            repeats=StreamBenchConfig.repeats if args.repeats is None else args.repeats,
             reference_max_streams=0 if args.skip_reference else args.reference_max_batch,
             json_path=args.json if args.json != "bench.json" else "bench_stream.json",
             window_stops=stops,
@@ -156,8 +156,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--seed", type=int, default=0,
                    help="seed of the random weights and of sampling; serve --rates: of the arrival times "
                         "(default: %(default)s)")
-    b.add_argument("--repeats", type=int, default=1,
-                   help="timed runs per variant; figures are medians (default: %(default)s)")
+    b.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per variant; figures are medians (default: 1; stream: 2)")
     b.add_argument("--decode-batch", type=int, default=32,
                    help="sequences per Decoder+Vocos call when decoding the wavs (default: 32)")
     b.add_argument("--max-num-seqs", type=int, default=None,

@@ -195,7 +195,8 @@ def _median(runs: list[dict]) -> dict:
 
 def run_stream_bench(cfg: StreamBenchConfig) -> dict:
     chat = load_bench_chat(cfg, max(cfg.streams))
-    device, stops = device_name(chat.device), list(chat.engine.engine.config.window_stops)
+    engine_config = chat.engine.engine.config
+    device, stops = device_name(chat.device), list(engine_config.window_stops)
     try:
         # warm-up: the wav decode's graphs of every batch bucket (a capture at first use stalls a level's round,
         # as a server's warm-up avoids), kernels, audio shapes
@@ -211,7 +212,8 @@ def run_stream_bench(cfg: StreamBenchConfig) -> dict:
                 rows.append(dict(path="reference", **_median(runs)))
     finally:
         chat.unload()
-    return dict(config=asdict(cfg), device=device, window_stops=stops, definitions=DEFINITIONS, rows=rows)
+    return dict(config=asdict(cfg), device=device, window_stops=stops,
+                window_stop_budget_ms=engine_config.window_stop_budget_ms, definitions=DEFINITIONS, rows=rows)
 
 
 def format_table(report: dict) -> str:
@@ -226,8 +228,11 @@ def format_table(report: dict) -> str:
 
 def run_and_report(cfg: StreamBenchConfig) -> dict:
     report = run_stream_bench(cfg)
+    budget = report["window_stop_budget_ms"]
+    later = "" if len(report["window_stops"]) < 2 else (
+        " (every one)" if budget is None else f" (after the first while a full window takes over {budget:g} ms)")
     print(f"device: {report['device']}, {cfg.tokens} tokens per stream, median of {cfg.repeats} runs, window stops "
-          f"{report['window_stops']}")
+          f"{report['window_stops']}{later}")
     print(format_table(report))
     for r in report["rows"]:
         if r["stalls_at_chunk"]:
