@@ -405,8 +405,7 @@ def test_a_later_window_stop_applies_only_when_a_full_window_would_outlast_the_b
     """``window_stop_budget_s``: the first stop always ends the youngest's window; a later one only while a
     full window (``num_decode_steps`` at the measured ``step_s``) would take longer than the budget."""
     bm = BlockSpaceManager(4096, 4, 0.0)
-    sched = Scheduler(bm, 64, 4096, num_decode_steps=32, window_stops=(16, 24))
-    sched.window_stop_budget_s = 0.05
+    sched = Scheduler(bm, 64, 4096, num_decode_steps=32, window_stops=(16, 24), window_stop_budget_ms=50.0)
     seqs = [make_seq(5, request_id=f"r{i}", max_new=400) for i in range(3)]
     for seq in seqs:
         sched.add(seq)

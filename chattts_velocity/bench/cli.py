@@ -26,7 +26,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         dtypes=tuple(args.dtype or ()),
         json_path=args.json, plot_path=args.plot, skip_reference=args.skip_reference,
         reference_max_batch=args.reference_max_batch, seed=args.seed,
-        repeats=1 if args.repeats is None else args.repeats, decode_batch=args.decode_batch, max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib,
+        repeats=1 if args.repeats is None else args.repeats, decode_batch=args.decode_batch,
+        max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib,
         prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
         show_progress=not args.no_progress,
     )

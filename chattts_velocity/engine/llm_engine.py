@@ -76,9 +76,7 @@ class LLMEngine:
         seqs, tokens = self.runner.prefill_limits() if prefill_first else (None, None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_decode_steps, config.window_stops, config.max_window_tokens,
-                                   prefill_first, seqs, tokens)
-        self.scheduler.window_stop_budget_s = (None if config.window_stop_budget_ms is None
-                                               else config.window_stop_budget_ms / 1e3)
+                                   prefill_first, seqs, tokens, config.window_stop_budget_ms)
         self._collected_at = 0.0
         """``time.perf_counter()`` when the latest step's tokens were read (``_time_steps``)."""
         self.requests: dict[str, Sequence] = {}
@@ -244,12 +242,11 @@ class LLMEngine:
         if may_open and plan.decode and self._runs_open(self._batch):
             self._open_mark = self._num_added
             window = self.runner.open(plan, self.config.window_lookahead)
-            window.launched_at = now
-            return window
-        window = self.runner.launch(plan)
+        else:
+            window = self.runner.launch(plan)
+            if not window.decode:  # a decode's one token is counted with its sample (``Scheduler.accept``)
+                self.scheduler.computed(plan.scheduled)
         window.launched_at = now
-        if not window.decode:  # a decode's one token is counted with its sample (``Scheduler.accept``)
-            self.scheduler.computed(plan.scheduled)
         return window
 
     def _run_step(self) -> list[Sequence]:

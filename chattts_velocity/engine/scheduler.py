@@ -63,14 +63,14 @@ class Scheduler:
     def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int,
                  num_decode_steps: int = 1, window_stops: tuple[int, ...] = (), max_window_tokens: int | None = None,
                  prefill_first: bool = False, max_prefill_seqs: int | None = None,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, window_stop_budget_ms: float | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_decode_steps = num_decode_steps
         self.window_stops = window_stops
         """``EngineConfig.window_stops``: where the youngest audio sequence's window ends (``next_stop``)."""
-        self.window_stop_budget_s: float | None = None
+        self.window_stop_budget_s = None if window_stop_budget_ms is None else window_stop_budget_ms / 1e3
         """``EngineConfig.window_stop_budget_ms`` in seconds: a stop after the first applies only while
         ``num_decode_steps`` steps of ``step_s`` would take longer. None: every stop applies."""
         self.step_s = 0.0
