@@ -1,5 +1,5 @@
-"""GPU probe at the GPT's shapes (``--parts fused gemv attention attention_sweep audio``): the fused decode
-linears vs the unfused ops (cuBLAS), the one-row GEMV (config sweep) vs the skinny GEMM at batch 1, decode attention by split count and by tile/warps, and the wav decode in fp32 /
+"""GPU probe at the GPT's shapes (``--parts fused gemv prefetch attention
+attention_sweep audio``): the fused decode linears vs the unfused ops (cuBLAS), the one-row GEMV (config sweep) vs the skinny GEMM at batch 1, decode attention by split count and by tile/warps, and the wav decode in fp32 /
 TF32 / bf16 / fp16. Each kernel timing replays a CUDA graph of 20 launches over 20 distinct operands (like 20
 layers, so nothing stays in L2); medians of 30 replays."""
 
@@ -143,6 +143,98 @@ def _unfused(x, w, norm_weight=None, eps=1e-6, residual=None, gated=False):
 
     return unfused(x, w, norm_weight, eps, residual, gated, kernels.rms_norm, kernels.silu_and_mul)
 
+def prefetch_probe(dtype, rows=(2, 4, 8, 16, 32, 64)) -> None:
+    """2 to 64 rows: each linear role as the kernels that run it now (the skinny GEMM to 16 rows, rms_norm +
+    cuBLAS + silu above; for q/k/v followed by the rotary + KV-write launch) against the two kernels that
+    fetch their weights before they wait for their input under programmatic dependent launch: the prefetching
+    tensor-core GEMM and the GEMV over rows (config sweeps of (BLOCK_N, num_warps)); then a whole layer's
+    linears chained over 20 layers, now and with each role's fastest kernel and config."""
+    from chattts_velocity.kernels._triton.gemv import gemv_triton
+    from chattts_velocity.kernels._triton.linear import fused_linear_triton
+    from chattts_velocity.kernels._triton.prefetch_linear import prefetch_linear_triton
+    from chattts_velocity.kernels.linear import MAX_FUSED_ROWS
+
+    roles = {"qkv+norm+res+rope": (2304, 768, True, False, True), "o": (768, 768, False, False, False),
+             "gate_up+norm+res+silu": (6144, 768, True, True, False), "down": (768, 3072, False, False, False)}
+    weights = {name: [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(20)]
+               for name, (n, k, *_) in roles.items()}
+    cos_sin = kernels.rotary_cos_sin_cache(64, 4096, 10000.0, "cuda")
+    caches = [(torch.zeros(64, 16, 12, 64, device="cuda", dtype=dtype),
+               torch.zeros(64, 16, 12, 64, device="cuda", dtype=dtype)) for _ in range(20)]
+    nw = torch.ones(768, device="cuda", dtype=dtype)
+    sweeps = {"prefetch": [(bn, w) for bn in (16, 32, 64) for w in (2, 4, 8)],
+              "gemv": [(bn, w) for bn in (1, 2, 4, 8) for w in (1, 2, 4, 8)]}
+
+    def now(name, x, w, cache, res, pos, slots, cfg=None):
+        n, k, norm, gated, rope = roles[name]
+        if x.shape[0] <= MAX_FUSED_ROWS:
+            out = fused_linear_triton(x, w, nw if norm else None, 1e-6, res if norm else None, gated)
+        else:
+            out = _unfused(x, w, norm_weight=nw if norm else None, residual=res if norm else None, gated=gated)
+        if rope:
+            q, kk, v = out[0].view(x.shape[0], 36, 64).split([12, 12, 12], dim=1)
+            kernels.rotary_store_kv(q, kk, v, pos, cos_sin, *cache, slots)
+        return out
+
+    def fetching(kind):
+        kernel = prefetch_linear_triton if kind == "prefetch" else gemv_triton
+
+        def run(name, x, w, cache, res, pos, slots, cfg):
+            n, k, norm, gated, rope = roles[name]
+            return kernel(x, w, nw if norm else None, 1e-6, res if norm else None, gated,
+                          (pos, cos_sin, *cache, slots, 12, 12) if rope else None, config=cfg)
+        return run
+
+    print("\n== 2-64 rows: now (skinny GEMM / cuBLAS, + rotary launch) vs the prefetching GEMM and the GEMV over "
+          "rows, 20 distinct weights, us per call ==")
+    for m in rows:
+        xs = {k: torch.randn(m, k, device="cuda", dtype=dtype) for k in (768, 3072)}
+        res = torch.randn(m, 768, device="cuda", dtype=dtype)
+        pos = torch.arange(200, 200 + m, device="cuda")
+        slots = torch.arange(m, device="cuda") * 16
+        fastest = {}  # role -> (us, kind, cfg)
+        for name, (_n, k, norm, gated, rope) in roles.items():
+            ws, x = weights[name], xs[k]
+            base = graph_time(lambda: [now(name, x, w, c, res, pos, slots) for w, c in zip(ws, caches, strict=False)]) / 20 * 1e3
+            fastest[name] = (base, "now", None)
+            ref = _unfused(x, ws[-1], norm_weight=nw if norm else None, residual=res if norm else None, gated=gated)
+            ref = ref[0] if isinstance(ref, tuple) else ref
+            line = f"M={m:3d} {name:22s} now {base:6.2f}"
+            for kind, cfgs in sweeps.items():
+                fn = fetching(kind)
+                times = {}
+                for cfg in cfgs:
+                    try:
+                        got = fn(name, x, ws[-1], caches[-1], res, pos, slots, cfg)
+                        got = got[0] if isinstance(got, tuple) else got
+                        if not rope:  # (the rotated q/k are checked by the kernel tests)
+                            err = (got.float() - ref.float()).abs().max().item()
+                            if err > 0.05:
+                                print("  bad", kind, name, m, cfg, err)
+                                continue
+                        times[cfg] = graph_time(lambda cfg=cfg: [fn(name, x, w, c, res, pos, slots, cfg)
+                                                                 for w, c in zip(ws, caches, strict=False)]) / 20 * 1e3
+                    except Exception as e:  # noqa: BLE001 (a config that does not compile or fit)
+                        print("  fail", kind, name, m, cfg, type(e).__name__, str(e)[:120])
+                best = sorted((v, c) for c, v in times.items())[:3]
+                if best and best[0][0] < fastest[name][0]:
+                    fastest[name] = (best[0][0], kind, best[0][1])
+                line += f" | {kind}: " + ", ".join(f"{c} {v:.2f}" for v, c in best)
+            print(line, flush=True)
+
+        def layers(pick):
+            for i in range(20):
+                for name, (_n, k, *_) in roles.items():
+                    _, kind, cfg = pick(name)
+                    fn = now if kind == "now" else fetching(kind)
+                    fn(name, xs[k], weights[name][i], caches[i], res, pos, slots, cfg)
+
+        a = graph_time(lambda: layers(lambda name: (0, "now", None))) * 1e3
+        b = graph_time(lambda: layers(lambda name: fastest[name])) * 1e3
+        print(f"M={m:3d} 20 layers' linears: now {a:7.1f} us, each role's fastest {b:7.1f} us: "
+              + ", ".join(f"{name} {kind} {cfg}" for name, (_, kind, cfg) in fastest.items()), flush=True)
+
+
 def attention_probe(dtype) -> None:
     print("\n== paged decode attention, 20 layers' caches, us per layer call ==")
     heads, dim, bs = 12, 64, 16
@@ -246,6 +338,8 @@ def main() -> None:
         fused_probe(torch.float16, tuple(args.rows))
     if "gemv" in args.parts:
         gemv_probe(torch.float16)
+    if "prefetch" in args.parts:
+        prefetch_probe(torch.float16, tuple(r for r in args.rows if r > 1))
     if "attention" in args.parts:
         attention_probe(torch.float16)
     if "attention_sweep" in args.parts:

@@ -29,11 +29,13 @@ def main() -> None:
     ids = torch.randint(0, 20000, (args.context, 1)).expand(-1, 4)
     prompt = Prompt(ids, torch.ones(args.context, dtype=torch.bool))
     engine = LLMEngine.from_model(model, EngineConfig(dtype=args.dtype, max_num_seqs=max(args.batch, 1),
-                                                      kv_cache_gib=4), "cuda")
+                                                      max_num_batched_tokens=max(2048, args.batch * args.context),
+                                                      kv_cache_gib=12), "cuda")
     params = SamplingParams(min_new_tokens=4 * args.steps, max_new_tokens=4 * args.steps)
     for i in range(args.batch):
         engine.add_request(str(i), prompt, params)
-    engine.step()  # prefill
+    while len(engine.scheduler.running) < args.batch:
+        engine.step()  # the prefill (one step: the batch's prompts fit the token budget)
     decoder = engine.runner.decoder
     seqs = [seq for seq in engine.scheduler.running]
     decoder.run(seqs, 1)  # load the batch into the graph's buffers

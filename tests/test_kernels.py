@@ -383,13 +383,21 @@ INTERPRETER_CASES = _cases(("fp32", "fp16"), [
     _linear("m16_norm_residual", 16, 80, 40, norm=True, residual=True),
     _linear("m3_norm_residual_gated", 3, 48, 24, norm=True, residual=True, gated=True),
     _linear("m17_unfused_fallback", 17, 32, 16, norm=True, residual=True, gated=True),
+    _linear("m2_gemv_rows_norm_residual", 2, 40, 48, norm=True, residual=True),
+    _linear("m6_gemv_rows_long_k", 6, 72, 24),
+    _linear("m12_skinny_long_k", 12, 72, 24),
+    _linear("m4_prefetch_norm_residual_ragged", 4, 40, 56, norm=True, residual=True),
+    _linear("m7_prefetch_norm_residual_gated", 7, 32, 40, norm=True, residual=True, gated=True),
     _linear("m1_norm_residual_ragged_k", 1, 40, 24, norm=True, residual=True),
     _linear("m1_norm_residual_gated_ragged_n", 1, 48, 22, norm=True, residual=True, gated=True),
     _linear("m1_long_k", 1, 72, 12),
     _qkv_rotary("m1_heads_2_2_d16", 1, 40, (2, 2), 16, 4),
     _qkv_rotary("m1_gqa_residual_d8", 1, 48, (3, 1), 8, 4, residual=True),
     _qkv_rotary("m1_skipped_slot", 1, 32, (2, 2), 16, 4, residual=True, skip_slot=True),
-    _qkv_rotary("m3_two_launches", 3, 32, (2, 1), 16, 4, residual=True),
+    _qkv_rotary("m2_gemv_rows", 2, 32, (2, 1), 16, 4, residual=True),
+    _qkv_rotary("m3_prefetch", 3, 32, (2, 1), 16, 4, residual=True),
+    _qkv_rotary("m5_prefetch_skipped_slot", 5, 32, (2, 2), 16, 4, skip_slot=True),
+    _qkv_rotary("m9_two_launches", 9, 32, (2, 1), 16, 4, residual=True),
 ])
 
 # The real model: hidden 768, 12 q and 12 KV heads of 64, intermediate 3072, 16-token blocks.
@@ -428,12 +436,17 @@ GPU_CASES = _cases(("fp32", "fp16", "bf16"), [
     _linear("m1_o", 1, 768, 768),
     _linear("m16_gate_up_norm_residual", 16, 768, 3072, norm=True, residual=True, gated=True),
     _linear("m7_down", 7, 3072, 768),
+    _linear("m2_o", 2, 768, 768),
+    _linear("m12_down", 12, 3072, 768),
+    _linear("m5_o", 5, 768, 768),
     _linear("m64_qkv_norm_residual_unfused", 64, 768, 2304, norm=True, residual=True),
     _linear("m1_gate_up_norm_residual", 1, 768, 3072, norm=True, residual=True, gated=True),
     _linear("m1_down", 1, 3072, 768),
     _qkv_rotary("m1_model", 1, 768, (12, 12), 64, 16, residual=True),
     _qkv_rotary("m1_model_first_layer_skipped_slot", 1, 768, (12, 12), 64, 16, skip_slot=True),
     _qkv_rotary("m16_model", 16, 768, (12, 12), 64, 16, residual=True),
+    _qkv_rotary("m2_model", 2, 768, (12, 12), 64, 16, residual=True),
+    _qkv_rotary("m7_model_skipped_slot", 7, 768, (12, 12), 64, 16, skip_slot=True),
     _prefill("64_decodes_and_a_prefill", [(1, 300 + 23 * i) for i in range(64)] + [(700, 900)], (12, 12),
              64, 16),
 ])
@@ -488,7 +501,7 @@ def test_triton_interpreter_matches_reference(case: Case, interpreter_results: d
 def test_interpreter_ran_every_triton_module(interpreter_results: dict) -> None:
     """Guards against the cases silently comparing the reference with itself."""
     modules = {"norm", "rotary", "activation", "kv_cache", "rotary_store_kv", "decode_attention",
-               "prefill_attention", "linear", "gemv", "step_io"}
+               "prefill_attention", "linear", "gemv", "prefetch_linear", "step_io"}
     ran = {name.rsplit(".", 1)[1] for name in interpreter_results["triton_modules"]}
     assert modules <= ran, f"never ran on Triton: {modules - ran}"
 
@@ -700,3 +713,32 @@ def test_launcher_rejects_bad_arguments_with_a_clear_message(op: str, overrides:
 @pytest.mark.parametrize("op", _VALID)
 def test_launcher_accepts_the_valid_arguments(op: str) -> None:
     getattr(K, op)(**_VALID[op]())
+
+
+def test_the_decode_linears_pick_their_kernel_by_rows_and_shape(monkeypatch) -> None:
+    """Up to ``PREFETCH_ROWS`` rows the kernels that load their weights first: the GEMV over rows while the
+    rows are few (more of them for long rows, as the down projection's), else the prefetching GEMM, except for
+    long rows; beyond, or with the override at 0, the skinny GEMM and the unfused ops (None)."""
+    from chattts_velocity.kernels import linear
+    from chattts_velocity.kernels._triton.gemv import gemv_triton
+    from chattts_velocity.kernels._triton.prefetch_linear import prefetch_linear_triton
+
+    def pick(m: int, n: int, k: int):
+        return linear._fetching_kernel(torch.zeros(m, k, dtype=torch.float16), n, k)
+
+    monkeypatch.delenv("CHATTTS_VELOCITY_PREFETCH_ROWS", raising=False)
+    monkeypatch.setattr(linear, "prefetch_rows", linear.prefetch_rows.__wrapped__)
+    assert linear.prefetch_rows() == linear.PREFETCH_ROWS
+    assert pick(1, 2304, 768) is gemv_triton and pick(1, 768, 3072) is gemv_triton
+    assert pick(linear.GEMV_ROWS, 2304, 768) is gemv_triton
+    assert pick(linear.GEMV_ROWS + 1, 2304, 768) is prefetch_linear_triton
+    assert pick(linear.PREFETCH_ROWS, 768, 768) is prefetch_linear_triton
+    assert pick(linear.GEMV_ROWS_LONG_K, 768, 3072) is gemv_triton
+    assert pick(linear.PREFETCH_ROWS + 1, 2304, 768) is None
+    monkeypatch.setenv("CHATTTS_VELOCITY_PREFETCH_ROWS", "16")
+    assert pick(12, 2304, 768) is prefetch_linear_triton and pick(12, 768, 3072) is None
+    monkeypatch.setenv("CHATTTS_VELOCITY_PREFETCH_ROWS", "0")
+    assert pick(2, 2304, 768) is None and pick(1, 2304, 768) is gemv_triton
+    monkeypatch.setenv("CHATTTS_VELOCITY_PREFETCH_ROWS", "65")
+    with pytest.raises(ValueError, match="CHATTTS_VELOCITY_PREFETCH_ROWS"):
+        linear.prefetch_rows()

@@ -6,6 +6,7 @@ a ``CpuWeight`` (bfloat16 or int8, stored the way its CPU kernel reads it)."""
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,50 @@ MAX_FUSED_ROWS = 16
 """Up to this many rows one Triton program reads each weight tile once for all rows (a small decode batch).
 Larger batches run the unfused ops, which the fused kernel beats only at small batches
 (`benchmarks/kernel_probe.py`; docs/perf/)."""
+
+
+PREFETCH_ROWS = 8
+"""Decode steps of up to this many rows run kernels that load their weights before they wait for their input
+(under programmatic dependent launch, while the kernel before them runs): the one-row GEMV, over each row in
+turn while the rows are few (``GEMV_ROWS``; ``GEMV_ROWS_LONG_K`` for rows longer than the output, as the down
+projection's), else the prefetching tensor-core GEMM, except for long rows, which go back to the skinny GEMM.
+The fastest per role at each batch of `benchmarks/kernel_probe.py --parts prefetch`; the limit is where the
+engine's step stopped gaining (docs/perf/engine.md)."""
+GEMV_ROWS = 2
+GEMV_ROWS_LONG_K = 8
+
+
+@functools.cache
+def prefetch_rows() -> int:
+    """``PREFETCH_ROWS``, or ``CHATTTS_VELOCITY_PREFETCH_ROWS`` (0 or 1: from 2 rows the skinny GEMM and the
+    unfused ops as before; for comparisons)."""
+    from ._triton.prefetch_linear import MAX_PREFETCH_ROWS
+
+    rows = int(os.environ.get("CHATTTS_VELOCITY_PREFETCH_ROWS", PREFETCH_ROWS))
+    check(0 <= rows <= MAX_PREFETCH_ROWS, f"CHATTTS_VELOCITY_PREFETCH_ROWS must be 0 to {MAX_PREFETCH_ROWS}, "
+          f"got {rows}")
+    return rows
+
+
+def _fetching_kernel(x: Tensor, n: int, k: int) -> Callable | None:
+    """The kernel that loads its weights first for x [M, K] times [N, K] weights, or None."""
+    m = x.shape[0]
+    if m == 1:
+        from ._triton.gemv import gemv_triton
+
+        return gemv_triton
+    if m > prefetch_rows() or (x.is_cuda and x.dtype == torch.float32):  # (float32 tiles overflow shared memory)
+        return None
+    few = GEMV_ROWS_LONG_K if k > n else GEMV_ROWS
+    if m <= few:
+        from ._triton.gemv import gemv_triton
+
+        return gemv_triton
+    if k > n:
+        return None
+    from ._triton.prefetch_linear import prefetch_linear_triton
+
+    return prefetch_linear_triton
 
 
 CPU_WEIGHT_FORMATS = ("float16", "bfloat16", "int8")
@@ -138,10 +183,9 @@ def fused_linear(x: Tensor, weight: Tensor, *, norm_weight: Tensor | None = None
     _check(x, weight, norm_weight, residual, gated)
     if isinstance(weight, CpuWeight) or not use_triton(x):
         return _unfused(x, weight, norm_weight, eps, residual, gated, rms_norm_ref, silu_and_mul_ref)
-    if x.shape[0] == 1:
-        from ._triton.gemv import gemv_triton
-
-        return gemv_triton(x, weight, norm_weight, eps, residual, gated)
+    kernel = _fetching_kernel(x, weight.shape[0] // 2 if gated else weight.shape[0], x.shape[1])
+    if kernel is not None:
+        return kernel(x, weight, norm_weight, eps, residual, gated)
     if x.shape[0] <= MAX_FUSED_ROWS:
         from ._triton.linear import fused_linear_triton
 
@@ -159,18 +203,20 @@ def fused_qkv_rotary_store(x: Tensor, weight: Tensor, *, norm_weight: Tensor, ep
                            num_kv_heads: int) -> tuple[Tensor, Tensor | None]:
     """A layer's front: qkv = ``fused_linear(x, weight, norm_weight=..., residual=...)`` ([M, (Hq + 2 Hk) D]),
     then ``rotary_store_kv`` on its q, k, v views (q and k rotated in place, k and v written to the cache at
-    ``slot_mapping``). Returns (qkv, the new residual, or None without one). One Triton launch for one row
-    (a batch-1 decode step); a launch for the linear and one for the rotation and the write otherwise."""
-    if x.shape[0] == 1 and use_triton(x) and not isinstance(weight, CpuWeight):
+    ``slot_mapping``). Returns (qkv, the new residual, or None without one). One Triton launch up to
+    ``PREFETCH_ROWS`` rows (a decode step); a launch for the linear and one for the rotation and the write
+    otherwise."""
+    kernel = None
+    if use_triton(x) and not isinstance(weight, CpuWeight):
+        kernel = _fetching_kernel(x, weight.shape[0], x.shape[1])
+    if kernel is not None:
         _check(x, weight, norm_weight, residual, False)
-        qkv = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+        qkv = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
         q, k, v = _qkv_views(qkv, cos_sin_cache, num_heads, num_kv_heads)
         check_rotary(q, k, positions, cos_sin_cache)  # the checks ``rotary_store_kv`` makes, on the output's views
         check_store_kv(k, v, k_cache, v_cache, slot_mapping)
-        from ._triton.gemv import gemv_triton
-
-        out = gemv_triton(x, weight, norm_weight, eps, residual, False,
-                          (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads), out=qkv)
+        rope = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+        out = kernel(x, weight, norm_weight, eps, residual, False, rope, out=qkv)
         return out if residual is not None else (out, None)
     out = fused_linear(x, weight, norm_weight=norm_weight, eps=eps, residual=residual)
     qkv, new_residual = out if residual is not None else (out, None)

@@ -22,7 +22,7 @@ from ._launch import pdl_launch
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, N, second_offset, eps,
+def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, M, N, second_offset, eps,
                  pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                  K: tl.constexpr, K_PAD: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  GATED: tl.constexpr, ROPE: tl.constexpr, Q_COLS: tl.constexpr, KV_COLS: tl.constexpr,
@@ -46,10 +46,22 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, N, secon
     w_offs = cols[:, None] * K + ks[None, :]
     w_mask = col_mask[:, None] & k_mask[None, :]
     w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
+    w2 = w  # (unused)
     if GATED or ROPE:  # the up projection's rows (GATED) or the heads' second halves (ROPE)
         w2 = tl.load(w_ptr + second_offset + w_offs, mask=w_mask, other=0.0)
     if PDL:
-        gdc_wait()  # the input row (and every buffer written below) belongs to the kernels before this one
+        gdc_wait()  # the input rows (and every buffer written below) belong to the kernels before this one
+    for r in range(M):  # each row against the weights in registers
+        _gemv_row(x_ptr + r * K, res_ptr + r * K, res_out_ptr + r * K, norm_w_ptr, y_ptr + r * N, w, w2, eps,
+                  pos_ptr + r, cos_sin_ptr, slot_ptr + r, k_cache_ptr, v_cache_ptr, pid, j, cols, col_mask, ks,
+                  k_mask, K, HAS_NORM, HAS_RESIDUAL, GATED, ROPE, Q_COLS, KV_COLS, HALF)
+
+
+@triton.jit
+def _gemv_row(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, y_ptr, w, w2, eps, pos_ptr, cos_sin_ptr, slot_ptr,
+              k_cache_ptr, v_cache_ptr, pid, j, cols, col_mask, ks, k_mask, K: tl.constexpr,
+              HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ROPE: tl.constexpr,
+              Q_COLS: tl.constexpr, KV_COLS: tl.constexpr, HALF: tl.constexpr):
     h = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
     if HAS_RESIDUAL:
         h = (h.to(tl.float32) + tl.load(res_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)).to(h.dtype)
@@ -99,9 +111,9 @@ def gemv_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: floa
     num_heads, num_kv_heads): weight is the stacked q/k/v projection; q and k come back rotated and k, v are
     written to the cache. ``out``: the [1, N] output, else a new one. ``config`` = (BLOCK_N, num_warps) and
     ``pdl`` override the defaults (for tuning)."""
-    k = x.shape[1]
+    m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device) if out is None else out
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     res_out = torch.empty_like(x) if residual is not None else x
     block_n, num_warps = config or default_config(n, k, gated, rope is not None, x.is_cuda)
     if rope is not None:
@@ -114,7 +126,7 @@ def gemv_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: floa
         second = n * k  # the up rows of a gated weight
     _gemv_kernel[(triton.cdiv(programs, block_n),)](
         x, residual if residual is not None else x, res_out, norm_weight if norm_weight is not None else x,
-        weight, y, n, second, eps, positions, cos_sin, slots, k_cache, v_cache, K=k,
+        weight, y, m, n, second, eps, positions, cos_sin, slots, k_cache, v_cache, K=k,
         K_PAD=triton.next_power_of_2(k), HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
         GATED=gated, ROPE=rope is not None, Q_COLS=q_cols, KV_COLS=kv_cols, HALF=half, BLOCK_N=block_n,
         num_warps=num_warps, **pdl_launch(x.device if pdl is None else pdl))
