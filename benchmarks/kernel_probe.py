@@ -195,7 +195,8 @@ def prefetch_probe(dtype, rows=(2, 4, 8, 16, 32, 64)) -> None:
         fastest = {}  # role -> (us, kind, cfg)
         for name, (_n, k, norm, gated, rope) in roles.items():
             ws, x = weights[name], xs[k]
-            base = graph_time(lambda: [now(name, x, w, c, res, pos, slots) for w, c in zip(ws, caches, strict=False)]) / 20 * 1e3
+            base = graph_time(lambda: [now(name, x, w, c, res, pos, slots)
+                                       for w, c in zip(ws, caches, strict=True)]) / 20 * 1e3
             fastest[name] = (base, "now", None)
             ref = _unfused(x, ws[-1], norm_weight=nw if norm else None, residual=res if norm else None, gated=gated)
             ref = ref[0] if isinstance(ref, tuple) else ref
@@ -213,7 +214,7 @@ def prefetch_probe(dtype, rows=(2, 4, 8, 16, 32, 64)) -> None:
                                 print("  bad", kind, name, m, cfg, err)
                                 continue
                         times[cfg] = graph_time(lambda cfg=cfg: [fn(name, x, w, c, res, pos, slots, cfg)
-                                                                 for w, c in zip(ws, caches, strict=False)]) / 20 * 1e3
+                                                                 for w, c in zip(ws, caches, strict=True)]) / 20 * 1e3
                     except Exception as e:  # noqa: BLE001 (a config that does not compile or fit)
                         print("  fail", kind, name, m, cfg, type(e).__name__, str(e)[:120])
                 best = sorted((v, c) for c, v in times.items())[:3]

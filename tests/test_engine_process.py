@@ -46,8 +46,8 @@ from chattts_velocity.serving.engine_process.messages import (
     open_pipes,
 )
 from chattts_velocity.serving.engine_process.remote import RemoteClient
-from chattts_velocity.serving.engine_process.shipper import Front, Shipper
 from chattts_velocity.serving.engine_process.remote_audio import RemoteAudio
+from chattts_velocity.serving.engine_process.shipper import Front, Shipper
 from chattts_velocity.serving.kit import SpeechKit
 from chattts_velocity.serving.local import LocalClient
 
