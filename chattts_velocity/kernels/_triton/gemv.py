@@ -1,4 +1,4 @@
-"""One-row decode GEMV (a batch-1 step's linears), with the layer's neighbours fused in: an optional residual
+"""Decode GEMV for one row (a batch-1 step's linears) or a few in turn, with the layer's neighbours fused in: an optional residual
 add + RMSNorm in front, and behind either the SwiGLU gate or, for the q/k/v projection, the rotary embedding
 and the KV-cache write (so a batch-1 layer has no separate rotary launch).
 
@@ -107,9 +107,10 @@ def gemv_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: floa
                 gated: bool, rope: tuple | None = None, *,
                 config: tuple[int, int] | None = None, pdl: bool | None = None,
                 out: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """x [1, K] (see ``fused_linear``). ``rope`` = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-    num_heads, num_kv_heads): weight is the stacked q/k/v projection; q and k come back rotated and k, v are
-    written to the cache. ``out``: the [1, N] output, else a new one. ``config`` = (BLOCK_N, num_warps) and
+    """x [M, K], a few rows, each multiplied in turn by the weights a program holds (see ``fused_linear``).
+    ``rope`` = (positions [M], cos_sin_cache, k_cache, v_cache, slot_mapping [M], num_heads, num_kv_heads):
+    weight is the stacked q/k/v projection; q and k come back rotated and k, v are written to the cache.
+    ``out``: the [M, N] output, else a new one. ``config`` = (BLOCK_N, num_warps) and
     ``pdl`` override the defaults (for tuning)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
