@@ -1,5 +1,5 @@
-"""Decode GEMV for one row (a batch-1 step's linears) or a few in turn, with the layer's neighbours fused in: an optional residual
-add + RMSNorm in front, and behind either the SwiGLU gate or, for the q/k/v projection, the rotary embedding
+"""Decode GEMV for one row (a batch-1 step's linears) or a few in turn, with the layer's neighbours fused in:
+an optional residual add + RMSNorm in front, and behind either the SwiGLU gate or, for the q/k/v projection, the rotary embedding
 and the KV-cache write (so a batch-1 layer has no separate rotary launch).
 
 Unlike the skinny GEMM (``linear.py``, tensor-core dots over 16 padded rows) a program here multiplies its
