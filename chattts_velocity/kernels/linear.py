@@ -51,18 +51,14 @@ def prefetch_rows() -> int:
 def _fetching_kernel(x: Tensor, n: int, k: int) -> Callable | None:
     """The kernel that loads its weights first for x [M, K] times [N, K] weights, or None."""
     m = x.shape[0]
-    if m == 1:
+    if m > 1 and (m > prefetch_rows() or (x.is_cuda and x.dtype == torch.float32)):  # (float32 tiles would
+        return None                                                                  # overflow shared memory)
+    long_k = k > n
+    if m <= (GEMV_ROWS_LONG_K if long_k else GEMV_ROWS):
         from ._triton.gemv import gemv_triton
 
         return gemv_triton
-    if m > prefetch_rows() or (x.is_cuda and x.dtype == torch.float32):  # (float32 tiles overflow shared memory)
-        return None
-    few = GEMV_ROWS_LONG_K if k > n else GEMV_ROWS
-    if m <= few:
-        from ._triton.gemv import gemv_triton
-
-        return gemv_triton
-    if k > n:
+    if long_k:
         return None
     from ._triton.prefetch_linear import prefetch_linear_triton
 

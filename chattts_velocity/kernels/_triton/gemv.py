@@ -19,6 +19,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._launch import pdl_launch
+from .linear import normed
 
 
 @triton.jit
@@ -58,6 +59,33 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, M, N, se
 
 
 @triton.jit
+def rotate_and_store(y_ptr, y_offs, y1, y2, pos, slot, cols, c, mask, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
+                     Q_COLS: tl.constexpr, KV_COLS: tl.constexpr, HALF: tl.constexpr):
+    """The q/k/v projection's epilogue: y1 and y2 (float32) are columns ``cols`` of the heads' first halves and
+    the matching second halves (column ``c`` of the half) at positions ``pos``: q and k are rotated, the pairs
+    stored at ``y_offs`` and ``y_offs + HALF``, and k and v written to the cache at ``slot`` (a negative slot
+    writes no KV). Every argument broadcasts: one row (scalar pos and slot) or rows x columns."""
+    out_ty = y_ptr.dtype.element_ty
+    cs = cos_sin_ptr + pos * (2 * HALF) + c
+    cos = tl.load(cs, mask=mask, other=0.0)
+    sin = tl.load(cs + HALF, mask=mask, other=0.0)
+    rotated = cols < Q_COLS + KV_COLS  # q and k heads; v is stored as it is
+    r1 = tl.where(rotated, y1 * cos - y2 * sin, y1).to(out_ty)
+    r2 = tl.where(rotated, y2 * cos + y1 * sin, y2).to(out_ty)
+    tl.store(y_ptr + y_offs, r1, mask=mask)
+    tl.store(y_ptr + y_offs + HALF, r2, mask=mask)
+    stored = mask & (slot >= 0)
+    is_k = stored & (cols >= Q_COLS) & rotated
+    k_offs = slot * KV_COLS + cols - Q_COLS
+    tl.store(k_cache_ptr + k_offs, r1, mask=is_k)
+    tl.store(k_cache_ptr + k_offs + HALF, r2, mask=is_k)
+    is_v = stored & (cols >= Q_COLS + KV_COLS)
+    v_offs = slot * KV_COLS + cols - Q_COLS - KV_COLS
+    tl.store(v_cache_ptr + v_offs, r1, mask=is_v)
+    tl.store(v_cache_ptr + v_offs + HALF, r2, mask=is_v)
+
+
+@triton.jit
 def _gemv_row(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, y_ptr, w, w2, eps, pos_ptr, cos_sin_ptr, slot_ptr,
               k_cache_ptr, v_cache_ptr, pid, j, cols, col_mask, ks, k_mask, K: tl.constexpr,
               HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ROPE: tl.constexpr,
@@ -69,9 +97,7 @@ def _gemv_row(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, y_ptr, w, w2, eps, pos_pt
     if HAS_NORM:
         hf = h.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
-        nw = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0)
-        # rounded to the dtype before the weight multiply, as the unfused norm does
-        h = ((hf * inv_rms).to(h.dtype).to(tl.float32) * nw.to(tl.float32)).to(nw.dtype)
+        h = normed(h, inv_rms, tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0))
     h = h.to(tl.float32)[None, :]
     out_ty = y_ptr.dtype.element_ty
     y1 = tl.sum(w.to(tl.float32) * h, axis=1).to(out_ty).to(tl.float32)
@@ -80,25 +106,8 @@ def _gemv_row(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, y_ptr, w, w2, eps, pos_pt
         tl.store(y_ptr + cols, (y1 * tl.sigmoid(y1) * up).to(out_ty), mask=col_mask)
     elif ROPE:
         y2 = tl.sum(w2.to(tl.float32) * h, axis=1).to(out_ty).to(tl.float32)
-        pos = tl.load(pos_ptr).to(tl.int64)
-        c = j % HALF
-        cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + c)
-        sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + c)
-        rotated = cols < Q_COLS + KV_COLS  # q and k heads; v is stored as it is
-        r1 = tl.where(rotated, y1 * cos - y2 * sin, y1).to(out_ty)
-        r2 = tl.where(rotated, y2 * cos + y1 * sin, y2).to(out_ty)
-        tl.store(y_ptr + cols, r1, mask=col_mask)
-        tl.store(y_ptr + cols + HALF, r2, mask=col_mask)
-        slot = tl.load(slot_ptr).to(tl.int64)
-        if slot >= 0:  # a negative slot writes no KV
-            is_k = col_mask & (cols >= Q_COLS) & rotated
-            k_offs = slot * KV_COLS + cols - Q_COLS
-            tl.store(k_cache_ptr + k_offs, r1, mask=is_k)
-            tl.store(k_cache_ptr + k_offs + HALF, r2, mask=is_k)
-            is_v = col_mask & (cols >= Q_COLS + KV_COLS)
-            v_offs = slot * KV_COLS + cols - Q_COLS - KV_COLS
-            tl.store(v_cache_ptr + v_offs, r1, mask=is_v)
-            tl.store(v_cache_ptr + v_offs + HALF, r2, mask=is_v)
+        rotate_and_store(y_ptr, cols, y1, y2, tl.load(pos_ptr).to(tl.int64), tl.load(slot_ptr).to(tl.int64), cols,
+                         j % HALF, col_mask, cos_sin_ptr, k_cache_ptr, v_cache_ptr, Q_COLS, KV_COLS, HALF)
     else:
         tl.store(y_ptr + cols, y1.to(out_ty), mask=col_mask)
 

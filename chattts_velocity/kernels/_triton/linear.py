@@ -12,7 +12,7 @@ from torch import Tensor
 
 
 @triton.jit
-def _load_rows(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, K: tl.constexpr, STORE_RES,
+def load_rows(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, K: tl.constexpr, STORE_RES,
                HAS_RESIDUAL: tl.constexpr):
     """x rows (+ residual, rounded to x's dtype like the unfused add) for columns ``cols``."""
     offs = rows[:, None] * K + cols[None, :]
@@ -22,6 +22,13 @@ def _load_rows(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, K: tl.constexpr, S
         if STORE_RES:
             tl.store(res_out_ptr + offs, x, mask=mask)
     return x
+
+
+@triton.jit
+def normed(x, inv_rms, nw):
+    """rms_norm(x) * nw, with ``inv_rms`` broadcast to x: rounded to x's dtype before the weight multiply, as
+    the unfused norm does, and the product to the weight's."""
+    return ((x.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32) * nw.to(tl.float32)).to(nw.dtype)
 
 
 @triton.jit
@@ -40,7 +47,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, 
         squares = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = _load_rows(x_ptr, res_ptr, res_out_ptr, rows, ks, row_mask[:, None] & (ks < K)[None, :], K,
+            x = load_rows(x_ptr, res_ptr, res_out_ptr, rows, ks, row_mask[:, None] & (ks < K)[None, :], K,
                            store_res, HAS_RESIDUAL).to(tl.float32)
             squares += tl.sum(x * x, axis=1)
         inv_rms = tl.rsqrt(squares / K + eps)  # [BLOCK_M]
@@ -49,13 +56,10 @@ def _fused_linear_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, 
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        h = _load_rows(x_ptr, res_ptr, res_out_ptr, rows, ks, row_mask[:, None] & k_mask[None, :], K, False,
+        h = load_rows(x_ptr, res_ptr, res_out_ptr, rows, ks, row_mask[:, None] & k_mask[None, :], K, False,
                        HAS_RESIDUAL)
         if HAS_NORM:
-            nw = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0)
-            # rounded to the dtype before the weight multiply, as the unfused norm does
-            h = ((h.to(tl.float32) * inv_rms[:, None]).to(h.dtype).to(tl.float32) * nw[None, :].to(tl.float32))
-            h = h.to(nw.dtype)
+            h = normed(h, inv_rms[:, None], tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0)[None, :])
         w_offs = cols[:, None] * K + ks[None, :]  # [BLOCK_N, BLOCK_K]
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)

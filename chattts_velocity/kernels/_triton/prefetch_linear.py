@@ -17,6 +17,8 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._launch import pdl_launch
+from .gemv import rotate_and_store
+from .linear import load_rows, normed
 
 MAX_PREFETCH_ROWS = 64
 """The most rows the kernel takes: every program holds all of them."""
@@ -36,25 +38,17 @@ def _load_weight(w_ptr, cols, col_mask, K: tl.constexpr, CHUNK: tl.constexpr):
 @triton.jit
 def _load_chunk(x_ptr, res_ptr, res_out_ptr, rows, row_mask, k0, K: tl.constexpr, CHUNK: tl.constexpr,
                 STORE_RES, HAS_RESIDUAL: tl.constexpr):
-    """Rows [BLOCK_M, CHUNK] of x (+ residual, rounded to x's dtype like the unfused add) from column k0."""
+    """Rows [BLOCK_M, CHUNK] of x (+ residual) from column k0."""
     ks = k0 + tl.arange(0, CHUNK)
-    mask = row_mask[:, None] & (ks < K)[None, :]
-    offs = rows[:, None] * K + ks[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        if STORE_RES:
-            tl.store(res_out_ptr + offs, x, mask=mask)
-    return x
+    return load_rows(x_ptr, res_ptr, res_out_ptr, rows, ks, row_mask[:, None] & (ks < K)[None, :], K, STORE_RES,
+                     HAS_RESIDUAL)
 
 
 @triton.jit
 def _normed(x, inv_rms, norm_w_ptr, k0, K: tl.constexpr, CHUNK: tl.constexpr):
-    """rms_norm(x) * weight for a chunk, rounded to the dtype before the weight multiply as the unfused norm."""
+    """rms_norm(x) * weight for the chunk from column k0."""
     ks = k0 + tl.arange(0, CHUNK)
-    nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0)
-    h = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype).to(tl.float32) * nw[None, :].to(tl.float32)
-    return h.to(nw.dtype)
+    return normed(x, inv_rms[:, None], tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0)[None, :])
 
 
 @triton.jit
@@ -123,26 +117,10 @@ def _prefetch_linear_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_pt
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], (y1 * tl.sigmoid(y1) * y2).to(out_ty), mask=out_mask)
     elif ROPE:
         pos = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        c = j % HALF
-        cs = cos_sin_ptr + pos[:, None] * (2 * HALF) + c[None, :]
-        cos = tl.load(cs, mask=out_mask, other=0.0)
-        sin = tl.load(cs + HALF, mask=out_mask, other=0.0)
-        rotated = (cols < Q_COLS + KV_COLS)[None, :]  # q and k heads; v is stored as it is
-        r1 = tl.where(rotated, y1 * cos - y2 * sin, y1).to(out_ty)
-        r2 = tl.where(rotated, y2 * cos + y1 * sin, y2).to(out_ty)
-        y_offs = rows[:, None] * N + cols[None, :]
-        tl.store(y_ptr + y_offs, r1, mask=out_mask)
-        tl.store(y_ptr + y_offs + HALF, r2, mask=out_mask)
         slot = tl.load(slot_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
-        stored = out_mask & (slot >= 0)[:, None]  # a negative slot writes no KV
-        is_k = stored & ((cols >= Q_COLS) & (cols < Q_COLS + KV_COLS))[None, :]
-        k_offs = slot[:, None] * KV_COLS + (cols - Q_COLS)[None, :]
-        tl.store(k_cache_ptr + k_offs, r1, mask=is_k)
-        tl.store(k_cache_ptr + k_offs + HALF, r2, mask=is_k)
-        is_v = stored & (cols >= Q_COLS + KV_COLS)[None, :]
-        v_offs = slot[:, None] * KV_COLS + (cols - Q_COLS - KV_COLS)[None, :]
-        tl.store(v_cache_ptr + v_offs, r1, mask=is_v)
-        tl.store(v_cache_ptr + v_offs + HALF, r2, mask=is_v)
+        rotate_and_store(y_ptr, rows[:, None] * N + cols[None, :], y1, y2, pos[:, None], slot[:, None],
+                         cols[None, :], (j % HALF)[None, :], out_mask, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
+                         Q_COLS, KV_COLS, HALF)
     else:
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], y1.to(out_ty), mask=out_mask)
 
@@ -159,7 +137,7 @@ def prefetch_linear_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     res_out = torch.empty_like(x) if residual is not None else x
-    block_n, num_warps = config or default_config(m, n, k, gated, rope is not None, x.is_cuda)
+    block_n, num_warps = config or default_config(k, gated, rope is not None, x.is_cuda)
     if rope is not None:
         positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads = rope
         half = cos_sin.shape[1] // 2
@@ -178,7 +156,7 @@ def prefetch_linear_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None
     return y if residual is None else (y, res_out)
 
 
-def default_config(m: int, n: int, k: int, gated: bool, rope: bool, cuda: bool) -> tuple[int, int]:
+def default_config(k: int, gated: bool, rope: bool, cuda: bool) -> tuple[int, int]:
     """(BLOCK_N, num_warps): the fastest of a sweep under programmatic dependent launch
     (`benchmarks/kernel_probe.py --parts prefetch`; docs/perf/)."""
     if not cuda:  # the interpreter
