@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
+import signal
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from ..constants import SAMPLE_RATE
 from ..text import speaker_vector
@@ -67,26 +69,54 @@ def _run_lines(chat, lines: list[Line], config: SynthConfig, speaker: str | None
                on_line: OnLine | None) -> None:
     """Every line through ``concurrency`` worker threads; each outcome is recorded as it comes. On any
     exception here (Ctrl-C included) the lines in flight are stopped first, and those already written kept."""
-    workers = config.concurrency or 2 * chat.engine.config.max_num_seqs
-    pool = ThreadPoolExecutor(min(workers, len(lines)), thread_name_prefix="synth")
-    stop = threading.Event()
-    futures = [pool.submit(_speak, chat, config, line, speaker, stop) for line in lines]
-    pending = set(futures)
+    ctrl_c = threading.Event()
+    with _ctrl_c_sets(ctrl_c):
+        workers = config.concurrency or 2 * chat.engine.config.max_num_seqs
+        pool = ThreadPoolExecutor(min(workers, len(lines)), thread_name_prefix="synth")
+        stop, finished = threading.Event(), queue.SimpleQueue()
+        futures = [pool.submit(_speak, chat, config, line, speaker, stop) for line in lines]
+        pending = set(futures)
+        try:
+            for fut in futures:
+                fut.add_done_callback(finished.put)
+            while pending:
+                if ctrl_c.is_set():
+                    raise KeyboardInterrupt
+                with contextlib.suppress(queue.Empty):
+                    fut = finished.get(timeout=0.1)
+                    pending.discard(fut)
+                    record(fut.result())
+                    if on_line is not None:
+                        on_line(fut.result())
+        except BaseException:
+            stop.set()
+            _drain(chat, futures)
+            for fut in pending:
+                if fut.done() and not fut.cancelled() and fut.exception() is None and isinstance(fut.result(), dict):
+                    record(fut.result())  # written before the stop: kept, so it goes in the manifest
+            raise
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _ctrl_c_sets(flag: threading.Event):
+    """While the lines run, Ctrl-C (again: any number of times) sets ``flag``, and the loop stops the run,
+    instead of raising wherever the main thread happens to be: raised inside the futures' own locking, it can
+    leave a future's lock held, and the workers then hang in ``set_result``, and the interpreter's exit with
+    them. Off the main thread (no signals there) and where Ctrl-C is ignored, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
     try:
-        for fut in as_completed(futures):
-            pending.discard(fut)
-            record(fut.result())
-            if on_line is not None:
-                on_line(fut.result())
-    except BaseException:
-        stop.set()
-        _drain(chat, futures)
-        for fut in pending:
-            if fut.done() and not fut.cancelled() and fut.exception() is None and isinstance(fut.result(), dict):
-                record(fut.result())  # written before the stop: kept, so it goes in the manifest
-        raise
+        yield
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        signal.signal(signal.SIGINT, previous)
 
 
 def _run_speaker(chat, config: SynthConfig, job: Plan) -> str | None:
