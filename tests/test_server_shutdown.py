@@ -21,7 +21,9 @@ def body(seed: int) -> dict:
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-process", "engine-process"])
 def test_sigterm_drains_in_flight_requests(upstream_ckpt, split):
-    srv = ServerProcess(upstream_ckpt, "--max-new-token", "160", "--shutdown-timeout", "60",
+    # every sentence 160 tokens: the three in flight take about a second after their first audio here, where
+    # requests that ended early (random weights) let the drain finish before the late request came
+    srv = ServerProcess(upstream_ckpt, "--max-new-token", "160", "--min-new-token", "160", "--shutdown-timeout", "60",
                         *(["--engine-process"] if split else []))
     engines = engine_processes(srv.proc.pid)
     assert len(engines) == int(split)
@@ -45,10 +47,12 @@ def test_sigterm_drains_in_flight_requests(upstream_ckpt, split):
     for _ in threads:
         assert started.acquire(timeout=60)
     srv.terminate()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while httpx.get(srv.url + "/health").status_code != 503:  # the signal taken: draining
+        assert time.monotonic() < deadline, "/health never said the server is stopping"
+        time.sleep(0.02)
     late = httpx.post(srv.url + "/v1/audio/speech", json=body(9), headers=AUTH, timeout=10)
     assert late.status_code == 503 and late.headers.get("retry-after") and late.json()["error"]["message"]
-    assert httpx.get(srv.url + "/health").status_code == 503
     for t in threads:
         t.join(60)
     assert sizes == {seed: (200, alone[seed]) for seed in range(3)}, (sizes, alone)
