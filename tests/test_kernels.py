@@ -751,3 +751,19 @@ def test_the_decode_linears_pick_their_kernel_by_rows_and_shape(monkeypatch) -> 
     monkeypatch.setenv("CHATTTS_VELOCITY_PREFETCH_ROWS", "65")
     with pytest.raises(ValueError, match="CHATTTS_VELOCITY_PREFETCH_ROWS"):
         linear.prefetch_rows()
+
+
+def test_the_decode_attention_launches_early_where_the_linears_load_their_weights_first(monkeypatch) -> None:
+    """The attention (and its merge) under programmatic dependent launch at one row and up to
+    ``prefetch_rows()`` rows, so the o projection's weights stream while they run; not beside the skinny GEMMs."""
+    from chattts_velocity.kernels import linear
+    from chattts_velocity.kernels._triton.decode_attention import launches_early
+
+    monkeypatch.delenv("CHATTTS_VELOCITY_PREFETCH_ROWS", raising=False)
+    monkeypatch.setattr(linear, "prefetch_rows", linear.prefetch_rows.__wrapped__)
+    assert [launches_early(b) for b in (1, 2, linear.PREFETCH_ROWS, linear.PREFETCH_ROWS + 1, 64)] == [
+        True, True, True, False, False]
+    monkeypatch.setenv("CHATTTS_VELOCITY_PREFETCH_ROWS", "0")
+    assert launches_early(1) and not launches_early(2)
+    monkeypatch.setenv("CHATTTS_VELOCITY_PREFETCH_ROWS", "16")
+    assert launches_early(16) and not launches_early(17)

@@ -13,6 +13,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .. import linear
 from ._launch import pdl_launch, sm_count
 from .paged import kv_offsets
 
@@ -91,6 +92,14 @@ def _merge_splits_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, context_lens_ptr, n
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
+def launches_early(batch: int) -> bool:
+    """Whether the decode attention of ``batch`` rows runs under programmatic dependent launch: in steps whose
+    linears load their weights first (up to ``linear.prefetch_rows()`` rows), which then stream while the
+    attention and its merge run. Between the skinny GEMMs of larger batches the early launches cost time
+    (docs/perf/engine.md)."""
+    return batch == 1 or batch <= linear.prefetch_rows()
+
+
 def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                                   context_lens: Tensor, scale: float, num_splits: int | None) -> Tensor:
     batch, num_heads, head_dim = q.shape
@@ -119,9 +128,7 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
         sums = torch.empty_like(maxes)
     else:
         partial, maxes, sums = out, out, out  # maxes and sums are unused without splits
-    # programmatic dependent launch only in a one-row step, whose linears take part too (in larger batches,
-    # between the skinny GEMMs, the early launches cost time: docs/perf/)
-    pdl = pdl_launch(q.device if batch == 1 else False)
+    pdl = pdl_launch(q.device if launches_early(batch) else False)
     _decode_kernel[(batch, num_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, maxes, sums, scale * _LOG2E, q.stride(0),
         q.stride(1), block_tables.stride(0), split_len, num_kv_heads, num_heads // num_kv_heads,
