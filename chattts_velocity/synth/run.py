@@ -82,12 +82,14 @@ def _run_lines(chat, lines: list[Line], config: SynthConfig, speaker: str | None
             while pending:
                 if ctrl_c.is_set():
                     raise KeyboardInterrupt
-                with contextlib.suppress(queue.Empty):
+                try:
                     fut = finished.get(timeout=0.1)
-                    pending.discard(fut)
-                    record(fut.result())
-                    if on_line is not None:
-                        on_line(fut.result())
+                except queue.Empty:
+                    continue
+                pending.discard(fut)
+                record(fut.result())
+                if on_line is not None:
+                    on_line(fut.result())
         except BaseException:
             stop.set()
             _drain(chat, futures)
