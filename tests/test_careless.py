@@ -342,6 +342,19 @@ def test_cli_device_that_does_not_exist_says_what_does(ckpt_copy, tmp_path, caps
         assert "CUDA is not available on this machine" in capsys.readouterr().err
 
 
+def test_cli_ctrl_c_says_interrupted_and_exits_130_without_a_traceback(upstream_ckpt, tmp_path, capsys,
+                                                                       monkeypatch):
+    def ctrl_c(self, *args, **kw):
+        raise KeyboardInterrupt  # as Ctrl-C lands in the main thread while the passes run
+
+    monkeypatch.setattr(Chat, "infer", ctrl_c)
+    out = tmp_path / "x.wav"
+    assert main(["say", "hi", "--model", upstream_ckpt, "--device", "cpu", "-o", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert not out.exists()
+
+
 def test_cli_unwritable_output_fails_before_loading(tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
     rc = main(["say", "hi", "--model", str(tmp_path / "nowhere"), "-o", str(tmp_path / "a_file" / "out.wav")])
