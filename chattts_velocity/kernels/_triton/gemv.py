@@ -121,26 +121,37 @@ def gemv_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: floa
     weight is the stacked q/k/v projection; q and k come back rotated and k, v are written to the cache.
     ``out``: the [M, N] output, else a new one. ``config`` = (BLOCK_N, num_warps) and
     ``pdl`` override the defaults (for tuning)."""
+    y, res_out, columns, args, meta = fused_launch(x, weight, norm_weight, eps, residual, gated, rope, out)
+    n, k = y.shape[1], x.shape[1]
+    block_n, num_warps = config or default_config(n, k, gated, rope is not None, x.is_cuda)
+    _gemv_kernel[(triton.cdiv(columns, block_n),)](*args, K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n,
+                                                   num_warps=num_warps, **meta,
+                                                   **pdl_launch(x.device if pdl is None else pdl))
+    return y if residual is None else (y, res_out)
+
+
+def fused_launch(x: Tensor, weight: Tensor, norm_weight: Tensor | None, eps: float, residual: Tensor | None,
+                 gated: bool, rope: tuple | None, out: Tensor | None) -> tuple[Tensor, Tensor, int, tuple, dict]:
+    """What the GEMV and the prefetching GEMM launch with alike: the output y [M, N], the new residual's
+    buffer, the columns the grid covers (column pairs under ``rope``), the kernel's leading arguments and the
+    constexprs of its front (norm, residual) and epilogue (SwiGLU, or the rotation and the KV write)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     res_out = torch.empty_like(x) if residual is not None else x
-    block_n, num_warps = config or default_config(n, k, gated, rope is not None, x.is_cuda)
     if rope is not None:
         positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads = rope
         half = cos_sin.shape[1] // 2
-        q_cols, kv_cols, second, programs = num_heads * 2 * half, num_kv_heads * 2 * half, half * k, n // 2
+        q_cols, kv_cols, second, columns = num_heads * 2 * half, num_kv_heads * 2 * half, half * k, n // 2
     else:
         positions = cos_sin = k_cache = v_cache = slots = x
-        half, q_cols, kv_cols, programs = 1, 0, 0, n
+        half, q_cols, kv_cols, columns = 1, 0, 0, n
         second = n * k  # the up rows of a gated weight
-    _gemv_kernel[(triton.cdiv(programs, block_n),)](
-        x, residual if residual is not None else x, res_out, norm_weight if norm_weight is not None else x,
-        weight, y, m, n, second, eps, positions, cos_sin, slots, k_cache, v_cache, K=k,
-        K_PAD=triton.next_power_of_2(k), HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        GATED=gated, ROPE=rope is not None, Q_COLS=q_cols, KV_COLS=kv_cols, HALF=half, BLOCK_N=block_n,
-        num_warps=num_warps, **pdl_launch(x.device if pdl is None else pdl))
-    return y if residual is None else (y, res_out)
+    args = (x, residual if residual is not None else x, res_out, norm_weight if norm_weight is not None else x,
+            weight, y, m, n, second, eps, positions, cos_sin, slots, k_cache, v_cache)
+    meta = dict(K=k, HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
+                ROPE=rope is not None, Q_COLS=q_cols, KV_COLS=kv_cols, HALF=half)
+    return y, res_out, columns, args, meta
 
 
 def default_config(n: int, k: int, gated: bool, rope: bool, cuda: bool) -> tuple[int, int]:

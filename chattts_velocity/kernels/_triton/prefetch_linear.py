@@ -17,7 +17,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._launch import pdl_launch
-from .gemv import rotate_and_store
+from .gemv import fused_launch, rotate_and_store
 from .linear import load_rows, normed
 
 MAX_PREFETCH_ROWS = 64
@@ -133,26 +133,13 @@ def prefetch_linear_triton(x: Tensor, weight: Tensor, norm_weight: Tensor | None
     cos_sin_cache, k_cache, v_cache, slot_mapping [M], num_heads, num_kv_heads): weight is the stacked q/k/v
     projection; q and k come back rotated and k, v are written to the cache. ``out``: the [M, N] output, else
     a new one. ``config`` = (BLOCK_N, num_warps) and ``pdl`` override the defaults (for tuning)."""
+    y, res_out, columns, args, meta = fused_launch(x, weight, norm_weight, eps, residual, gated, rope, out)
     m, k = x.shape
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
-    res_out = torch.empty_like(x) if residual is not None else x
     block_n, num_warps = config or default_config(k, gated, rope is not None, x.is_cuda)
-    if rope is not None:
-        positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads = rope
-        half = cos_sin.shape[1] // 2
-        q_cols, kv_cols, second, columns = num_heads * 2 * half, num_kv_heads * 2 * half, half * k, n // 2
-    else:
-        positions = cos_sin = k_cache = v_cache = slots = x
-        half, q_cols, kv_cols, columns = 1, 0, 0, n
-        second = n * k  # the up rows of a gated weight
     _prefetch_linear_kernel[(triton.cdiv(columns, block_n),)](
-        x, residual if residual is not None else x, res_out, norm_weight if norm_weight is not None else x,
-        weight, y, m, n, second, eps, positions, cos_sin, slots, k_cache, v_cache, K=k,
-        CHUNK=max(16, triton.next_power_of_2(triton.cdiv(k, 3))), HAS_NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None, GATED=gated, ROPE=rope is not None, Q_COLS=q_cols, KV_COLS=kv_cols,
-        HALF=half, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, IEEE=x.dtype == torch.float32,
-        num_warps=num_warps, **pdl_launch(x.device if pdl is None else pdl))
+        *args, CHUNK=max(16, triton.next_power_of_2(triton.cdiv(k, 3))), BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n, IEEE=x.dtype == torch.float32, num_warps=num_warps, **meta,
+        **pdl_launch(x.device if pdl is None else pdl))
     return y if residual is None else (y, res_out)
 
 
