@@ -34,8 +34,11 @@ def main() -> None:
     params = SamplingParams(min_new_tokens=4 * args.steps, max_new_tokens=4 * args.steps)
     for i in range(args.batch):
         engine.add_request(str(i), prompt, params)
-    while len(engine.scheduler.running) < args.batch:
-        engine.step()  # the prefill (one step: the batch's prompts fit the token budget)
+    for _ in range(args.batch):  # the prefill: one step, as the batch's prompts fit the token budget
+        if len(engine.scheduler.running) == args.batch:
+            break
+        engine.step()
+    assert len(engine.scheduler.running) == args.batch, "the prefill did not admit the whole batch"
     decoder = engine.runner.decoder
     seqs = [seq for seq in engine.scheduler.running]
     decoder.run(seqs, 1)  # load the batch into the graph's buffers

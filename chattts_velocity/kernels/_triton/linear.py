@@ -13,7 +13,7 @@ from torch import Tensor
 
 @triton.jit
 def load_rows(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, K: tl.constexpr, STORE_RES,
-               HAS_RESIDUAL: tl.constexpr):
+              HAS_RESIDUAL: tl.constexpr):
     """x rows (+ residual, rounded to x's dtype like the unfused add) for columns ``cols``."""
     offs = rows[:, None] * K + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -48,7 +48,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, 
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             x = load_rows(x_ptr, res_ptr, res_out_ptr, rows, ks, row_mask[:, None] & (ks < K)[None, :], K,
-                           store_res, HAS_RESIDUAL).to(tl.float32)
+                          store_res, HAS_RESIDUAL).to(tl.float32)
             squares += tl.sum(x * x, axis=1)
         inv_rms = tl.rsqrt(squares / K + eps)  # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -57,7 +57,7 @@ def _fused_linear_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, 
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         h = load_rows(x_ptr, res_ptr, res_out_ptr, rows, ks, row_mask[:, None] & k_mask[None, :], K, False,
-                       HAS_RESIDUAL)
+                      HAS_RESIDUAL)
         if HAS_NORM:
             h = normed(h, inv_rms[:, None], tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0)[None, :])
         w_offs = cols[:, None] * K + ks[None, :]  # [BLOCK_N, BLOCK_K]
