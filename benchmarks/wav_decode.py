@@ -5,7 +5,10 @@ Input: the hidden states of real engine runs on full-size random weights (32 seq
 to ``--batch`` sequences and decoded ``--chunk`` at a time. Per mode: milliseconds for the Decoder, the Vocos
 backbone, the head (linear, exp, iSTFT) and the copy to the host; the whole decode; and the SNR of every wav
 against strict float32 (min and median over the 32 distinct sequences). Medians of ``--repeats`` runs, CUDA
-events.
+events. Modes: ``tf32`` is the decode as it runs (TF32, the ConvNeXt blocks on the fused kernels of
+``audio.convnext`` with float16 activations), ``tf32-torch`` the same with the modules' torch ops,
+``fused-tf32`` / ``fused-bf16`` the fused kernels with float32 (TF32) or bfloat16 activations; the rest
+precision variants of the torch ops.
 
     python benchmarks/wav_decode.py --batch 256 --chunk 32 64 --tokens 500
 """
@@ -15,13 +18,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
+import os
 import statistics
 import time
 
 import numpy as np
 import torch
 
-from chattts_velocity.audio import AudioDecoder
+from chattts_velocity.audio import AudioDecoder, convnext
 from chattts_velocity.bench.measure import Clock
 from chattts_velocity.bench.paths import run_velocity
 from chattts_velocity.bench.runner import bench_prompt, load_model
@@ -44,15 +49,36 @@ def precision(tf32: bool):
         m.fp32_precision, c.fp32_precision = saved
 
 
+@contextlib.contextmanager
+def fused_blocks(on: bool, operands: torch.dtype):
+    """The fused ConvNeXt kernels on or off (``CHATTTS_VELOCITY_FUSED_DECODE``), their activations stored and
+    multiplied in ``operands``."""
+    saved_env = os.environ.get("CHATTTS_VELOCITY_FUSED_DECODE")
+    saved_operands = convnext.OPERANDS
+    os.environ["CHATTTS_VELOCITY_FUSED_DECODE"] = "1" if on else "0"
+    convnext.OPERANDS = operands
+    try:
+        yield
+    finally:
+        convnext.OPERANDS = saved_operands
+        if saved_env is None:
+            del os.environ["CHATTTS_VELOCITY_FUSED_DECODE"]
+        else:
+            os.environ["CHATTTS_VELOCITY_FUSED_DECODE"] = saved_env
+
+
 class Mode:
-    def __init__(self, name, model, half=None, autocast=None, tf32=False, compile_=False):
+    def __init__(self, name, model, half=None, autocast=None, tf32=False, compile_=False, fused=True,
+                 operands=torch.float16):
         self.name, self.tf32, self.autocast = name, tf32, autocast
+        self.fused, self.operands = fused, operands
         self.decoder, self.backbone, self.head = model.decoder, model.vocos.backbone, model.vocos.head
         if half is not None:
             self.decoder = copy.deepcopy(model.decoder).to(half)
             self.backbone = copy.deepcopy(model.vocos.backbone).to(half)
         self.half = half
-        self.run_decoder, self.run_backbone = self.decoder.decode, self.backbone
+        self.run_decoder = self.decoder.decode
+        self.run_backbone = functools.partial(convnext.vocos_backbone, self.backbone)
         self.compiled = compile_
         if compile_:  # no inference mode under torch.compile (its functionalisation rejects inference tensors)
             self.run_decoder = torch.compile(self.decoder.decode.__wrapped__.__get__(self.decoder), dynamic=False)
@@ -67,7 +93,7 @@ class Mode:
         """[B, T, H] -> wav on host, with events between the parts."""
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
         grad_off = torch.no_grad() if self.compiled else torch.inference_mode()
-        with grad_off, precision(self.tf32), self.ctx():
+        with grad_off, precision(self.tf32), self.ctx(), fused_blocks(self.fused, self.operands):
             ev[0].record()
             x = hid.transpose(1, 2)
             if self.compiled:
@@ -156,6 +182,9 @@ def main() -> None:
     modes = [
         Mode("fp32", model),
         Mode("tf32", model, tf32=True),
+        Mode("tf32-torch", model, tf32=True, fused=False),
+        Mode("fused-tf32", model, tf32=True, operands=torch.float32),
+        Mode("fused-bf16", model, tf32=True, operands=torch.bfloat16),
         Mode("bf16-autocast", model, autocast=torch.bfloat16),
         Mode("fp16-autocast", model, autocast=torch.float16),
         Mode("bf16-weights", model, half=torch.bfloat16),

@@ -29,3 +29,19 @@ def run_interpreter_main(module: str) -> dict:
     output = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{output}"
     return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+
+
+def fix_interpreter_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns its 1-element scalar arrays into loop bounds with int(), which
+    numpy >= 2.4 refuses, so every dynamic-bound loop fails (triton-lang/triton#9171, fixed after 3.6)."""
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None:
+        return
+
+    def patched(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter import report, run_interpreter_main
+from interpreter import fix_interpreter_for_numpy_2_4, report, run_interpreter_main
 
 from chattts_velocity import kernels as K
 
@@ -454,26 +454,10 @@ GPU_CASES = _cases(("fp32", "fp16", "bf16"), [
 # ------------------------------------------------------------------------------- the interpreter subprocess
 
 
-def _fix_interpreter_for_numpy_2_4() -> None:
-    """Triton 3.6's interpreter turns its 1-element scalar arrays into loop bounds with int(), which
-    numpy >= 2.4 refuses, so every dynamic-bound loop fails (triton-lang/triton#9171, fixed after 3.6)."""
-    from triton.runtime import interpreter
-
-    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch_tensor is None:
-        return
-
-    def patched(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def interpreter_main() -> None:
     """Entry point of the subprocess: run every interpreter case, print one JSON line of results."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    _fix_interpreter_for_numpy_2_4()
+    fix_interpreter_for_numpy_2_4()
     from triton.runtime.interpreter import InterpretedFunction
 
     launched = set()  # the modules of the kernels launched (an imported module may run nothing: one kernel

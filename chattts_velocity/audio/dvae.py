@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..constants import HOP_LENGTH, SAMPLE_RATE
 from ..weights import check_state_dict, count_layers, read_safetensors, require
+from .convnext import conv_stack, fused_applies
 from .fsq import GFSQ
 
 CODE_LEVEL = 5
@@ -142,6 +143,8 @@ class ConvStack(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.conv_in(x)  # [B, hidden, T]
+        if fused_applies(x):  # the blocks channels last, on fused kernels (see audio.convnext)
+            return conv_stack(self, x)
         for block in self.decoder_block:
             x = block(x)
         return self.conv_out(x)  # [B, odim, T]

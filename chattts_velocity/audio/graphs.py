@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from vocos import Vocos
 
+from .convnext import vocos_backbone
 from .dvae import DVAE
 from .vocoder import head_spectrum
 
@@ -61,7 +62,7 @@ def decode_wav(decoder: DVAE, vocos: Vocos, x: Tensor, envelope: Tensor | None =
     """Hidden states [B, H, T] -> wav [B, (2T - 1) * 256]: ``vocos.decode(decoder.decode(x))`` with the head's
     iSTFT as ``istft_center``."""
     istft = vocos.head.istft
-    spec = head_spectrum(vocos.head, vocos.backbone(decoder.decode(x)))  # [B, n_fft / 2 + 1, F]
+    spec = head_spectrum(vocos.head, vocos_backbone(vocos.backbone, decoder.decode(x)))  # [B, n_fft / 2 + 1, F]
     return istft_center(spec, istft.n_fft, istft.hop_length, istft.window, envelope)
 
 

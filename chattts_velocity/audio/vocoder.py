@@ -18,6 +18,7 @@ from vocos.models import VocosBackbone
 
 from ..constants import HOP_LENGTH, SAMPLE_RATE
 from ..weights import check_state_dict, count_layers, read_safetensors, require
+from .convnext import vocos_backbone
 
 
 def vocos_state_dict_config(sd: dict[str, Tensor], name: str = "Vocos.safetensors") -> dict[str, int]:
@@ -77,5 +78,6 @@ def head_spectrum(head: ISTFTHead, x: Tensor) -> Tensor:
 
 
 def vocos_decode(vocos: Vocos, mel: Tensor) -> Tensor:
-    """``vocos.decode(mel)``: mel [B, n_mels, F] -> wav [B, S], the head's spectrum from ``head_spectrum``."""
-    return vocos.head.istft(head_spectrum(vocos.head, vocos.backbone(mel)))
+    """``vocos.decode(mel)``: mel [B, n_mels, F] -> wav [B, S], the backbone on the fused kernels where they
+    apply (``audio.convnext``), the head's spectrum from ``head_spectrum``."""
+    return vocos.head.istft(head_spectrum(vocos.head, vocos_backbone(vocos.backbone, mel)))

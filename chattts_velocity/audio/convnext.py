@@ -1,0 +1,87 @@
+"""The ConvNeXt stacks of the wav decode (ChatTTS's Decoder/DVAE conv stack, Vocos's backbone) on the fused
+channels-last kernels of ``kernels.convnext``, where they apply: float32 activations on CUDA while TF32 is on
+(the wav decode's default, ``AudioDecoder(tf32=True)``), no autograd. Elsewhere (the CPU, strict float32 as the
+reference path runs, training) the modules' own torch ops run. ``CHATTTS_VELOCITY_FUSED_DECODE=0`` turns the
+fused path off (a switch for comparisons).
+
+Same maths as upstream's block, with the residual stream and every sum in float32 but the block's normed
+input and its 4x-wide hidden activations stored in float16 and multiplied on float16 tensor cores (float16 has
+TF32's 10-bit mantissa; the normed values are bounded, and a hidden value past float16's range would
+saturate rather than overflow): the wavs agree with the torch ops in TF32 to its precision, not bit for bit
+(`benchmarks/wav_decode.py` reports the SNR of each against strict float32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor, nn
+
+from ..kernels.convnext import dwconv_norm, linear
+
+
+def fused_applies(x: Tensor) -> bool:
+    """Whether the fused channels-last stack runs for activations ``x`` (see the module's docstring)."""
+    return (x.is_cuda and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            and torch.backends.cuda.matmul.fp32_precision == "tf32"
+            and os.environ.get("CHATTTS_VELOCITY_FUSED_DECODE", "1") != "0")
+
+
+def operand_weight(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """``weight`` in ``dtype``, copied once and kept while the parameter lives; an in-place change of the
+    parameter (``load_state_dict``) is copied into the same tensor at the next call, so a CUDA graph that
+    reads the copy sees it."""
+    if weight.dtype == dtype:
+        return weight
+    copies = weight.__dict__.setdefault("_operand_copies", {})  # dtype -> (weight's version when copied, copy)
+    version, copy = copies.get(dtype, (None, None))
+    now = None if weight.is_inference() else weight._version  # an inference tensor has no version: kept as is
+    if copy is None:
+        copy = weight.detach().to(dtype)
+    elif version != now:
+        copy.copy_(weight.detach())
+    copies[dtype] = now, copy
+    return copy
+
+
+OPERANDS = torch.float16
+"""What a block's normed and hidden activations are stored and multiplied in, unless a call says (float32:
+on TF32 tensor cores)."""
+
+
+def convnext_block(x: Tensor, dwconv: nn.Conv1d, norm: nn.LayerNorm, pwconv1: nn.Linear, pwconv2: nn.Linear,
+                   scale: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
+    """One residual block on channels-last x [B, T, C] float32 -> [B, T, C]: ``x + scale * pwconv2(gelu(
+    pwconv1(norm(dwconv(x)))))``, its activations in ``dtype`` (None: ``OPERANDS``)."""
+    b, t, c = x.shape
+    dtype = OPERANDS if dtype is None else dtype
+    w1, w2 = operand_weight(pwconv1.weight, dtype), operand_weight(pwconv2.weight, dtype)
+    scale = torch.ones_like(pwconv2.bias) if scale is None else scale
+    y = dwconv_norm(x, dwconv.weight, dwconv.bias, dwconv.dilation[0], dwconv.padding[0], norm.weight, norm.bias,
+                    norm.eps, out_dtype=dtype)  # [B, T, C]
+    h = linear(y.view(b * t, c), w1, pwconv1.bias, gelu=True, out_dtype=dtype)  # [B*T, 4C]
+    return linear(h, w2, pwconv2.bias, scale=scale, residual=x.view(b * t, c)).view(b, t, c)
+
+
+def conv_stack(stack, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``audio.dvae.ConvStack``'s forward [B, idim, T] -> [B, odim, T] on the fused blocks (``x`` after its
+    ``conv_in``; the result a transposed view); ``dtype`` as ``convnext_block``'s."""
+    h = x.transpose(1, 2).contiguous()  # [B, T, hidden]
+    for block in stack.decoder_block:
+        h = convnext_block(h, block.dwconv, block.norm, block.pwconv1, block.pwconv2, block.weight, dtype)
+    return torch.matmul(h, stack.conv_out.weight[:, :, 0].t()).transpose(1, 2)  # the 1x1 conv: [B, odim, T]
+
+
+def vocos_backbone(backbone, mel: Tensor, fused: bool | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """Vocos's ``VocosBackbone`` forward, mel [B, n_mels, F] -> features [B, F, dim], on the fused blocks where
+    they apply (``fused``: force, or None for ``fused_applies``; never with an AdaLayerNorm, which ChatTTS's
+    Vocos does not have); ``dtype`` as ``convnext_block``'s."""
+    if fused is None:
+        fused = fused_applies(mel)
+    if not fused or backbone.adanorm or any(block.adanorm for block in backbone.convnext):
+        return backbone(mel)
+    x = backbone.norm(backbone.embed(mel).transpose(1, 2)).contiguous()  # [B, F, dim]
+    for block in backbone.convnext:
+        x = convnext_block(x, block.dwconv, block.norm, block.pwconv1, block.pwconv2, block.gamma, dtype)
+    return backbone.final_layer_norm(x)
