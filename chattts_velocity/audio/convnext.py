@@ -14,6 +14,7 @@ saturate rather than overflow): the wavs agree with the torch ops in TF32 to its
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from torch import Tensor, nn
@@ -28,21 +29,25 @@ def fused_applies(x: Tensor) -> bool:
             and os.environ.get("CHATTTS_VELOCITY_FUSED_DECODE", "1") != "0")
 
 
+_COPYING = threading.Lock()
+
+
 def operand_weight(weight: Tensor, dtype: torch.dtype) -> Tensor:
     """``weight`` in ``dtype``, copied once and kept while the parameter lives; an in-place change of the
     parameter (``load_state_dict``) is copied into the same tensor at the next call, so a CUDA graph that
-    reads the copy sees it."""
+    reads the copy (it holds no reference of its own) sees it and never outlives it."""
     if weight.dtype == dtype:
         return weight
-    copies = weight.__dict__.setdefault("_operand_copies", {})  # dtype -> (weight's version when copied, copy)
-    version, copy = copies.get(dtype, (None, None))
-    now = None if weight.is_inference() else weight._version  # an inference tensor has no version: kept as is
-    if copy is None:
-        copy = weight.detach().to(dtype)
-    elif version != now:
-        copy.copy_(weight.detach())
-    copies[dtype] = now, copy
-    return copy
+    with _COPYING:  # threads decoding at once must not each make (and drop) a copy
+        copies = weight.__dict__.setdefault("_operand_copies", {})  # dtype -> (weight's version, copy)
+        version, copy = copies.get(dtype, (None, None))
+        now = None if weight.is_inference() else weight._version  # an inference tensor has no version
+        if copy is None:
+            copy = weight.detach().to(dtype)
+        elif version != now:
+            copy.copy_(weight.detach())
+        copies[dtype] = now, copy
+        return copy
 
 
 OPERANDS = torch.float16
