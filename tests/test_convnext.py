@@ -96,6 +96,42 @@ def _interpreter_cases() -> dict[str, float]:
         for suffix, dtype in (("", torch.float32), ("_fp16_operands", torch.float16)):
             out["decoder_conv_stack" + suffix] = _rel(conv_stack(stack, stack.conv_in(x), dtype), stack(x))
             out["vocos_backbone" + suffix] = _rel(vocos_backbone(backbone, mel, True, dtype), backbone(mel))
+    out.update(_forced_decode_cases())
+    return out
+
+
+def _forced_decode_cases() -> dict[str, float]:
+    """``AudioDecoder.to_wavs`` of the tiny checkpoint, hidden states and codes, with the fused stacks forced
+    on (as on CUDA with TF32) against the modules' ops: the decode paths reach the fused kernels."""
+    from chattts_velocity.audio import AudioDecoder, convnext, dvae
+    from chattts_velocity.bench.runner import load_model
+
+    model = load_model("tiny", torch.device("cpu"), 0)
+    audio = AudioDecoder(model.dvae, model.decoder, model.vocos, "cpu")
+    g = torch.Generator().manual_seed(7)
+    width = 2 * audio.decoder.config.decoder.idim
+    hiddens = [torch.randn(n, width, generator=g) for n in (9, 9)]
+    codes = [torch.randint(0, 625, (9, 4), generator=g) for _ in range(2)]
+    wants = {name: audio.to_wavs(x, name == "hiddens") for name, x in (("hiddens", hiddens), ("codes", codes))}
+    out = {}
+    saved = convnext.fused_applies, dvae.fused_applies
+    called = []
+
+    def forced(x):
+        called.append(x.shape)
+        return True
+
+    convnext.fused_applies = dvae.fused_applies = forced
+    try:
+        for suffix, dtype in (("", torch.float32), ("_fp16_operands", torch.float16)):
+            convnext.OPERANDS = dtype
+            for name, x in (("hiddens", hiddens), ("codes", codes)):
+                got = audio.to_wavs(x, name == "hiddens")
+                out[f"to_wavs_{name}{suffix}"] = _rel(torch.from_numpy(got), torch.from_numpy(wants[name]))
+    finally:
+        convnext.fused_applies, dvae.fused_applies = saved
+        convnext.OPERANDS = torch.float16
+    assert len(called) == 8, called  # the DVAE's or the Decoder's stack, and Vocos's backbone, every call
     return out
 
 
@@ -114,14 +150,15 @@ def interpreter_results() -> dict:
     return run_interpreter_main("test_convnext")
 
 
-TOLERANCE = {"_fp16_out": 2e-3, "_fp16_operands": 2e-3, "_tf32_runs": 2e-3}
-"""Relative error allowed per case suffix; float32 cases 2e-5 (the interpreter multiplies in float32)."""
+TOLERANCE = {"_fp16_out": 2e-3, "_fp16_operands": 2e-3, "_tf32_runs": 2e-3, "hiddens": 1e-4, "codes": 1e-4}
+"""Relative error allowed per case suffix (the first that matches); float32 cases 2e-5 (the interpreter
+multiplies in float32), wavs 1e-4 (the iSTFT's sums)."""
 
 
 def test_interpreter_kernels_and_stacks_match_the_torch_ops(interpreter_results: dict) -> None:
     assert interpreter_results["ran_triton"], "the Triton module never ran: the cases compared torch with torch"
     errors = interpreter_results["errors"]
-    assert len(errors) == 21, sorted(errors)
+    assert len(errors) == 25, sorted(errors)
     for name, err in errors.items():
         tol = next((t for suffix, t in TOLERANCE.items() if name.endswith(suffix)), 2e-5)
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
