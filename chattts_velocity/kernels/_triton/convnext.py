@@ -15,7 +15,9 @@ from ._launch import num_warps_for
 FP16_MAX = tl.constexpr(65504.0)
 
 
-@triton.jit
+# Not specialised on the row counts (T, M): Triton would compile a variant per value class of an int argument
+# (1, a multiple of 16, other), and a decode of a new class in a warmed-up server would stall on the compile.
+@triton.jit(do_not_specialize=["T"])
 def _dwconv_norm_kernel(x_ptr, cw_ptr, cb_ptr, nw_ptr, nb_ptr, y_ptr, T, C, eps,
                         KSIZE: tl.constexpr, DILATION: tl.constexpr, PAD: tl.constexpr,
                         SATURATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -59,7 +61,7 @@ def dwconv_norm_triton(x: Tensor, conv_weight: Tensor, conv_bias: Tensor, dilati
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, out_ptr, M, N, K,
                    GELU: tl.constexpr, RESIDUAL: tl.constexpr, PRECISION: tl.constexpr, SATURATE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
