@@ -192,6 +192,9 @@ def test_operand_weights_are_copied_once_and_follow_in_place_changes() -> None:
     again = operand_weight(linear_module.weight, torch.float16)
     assert again is first and torch.equal(again, linear_module.weight.detach().half())  # same memory, new values
     assert operand_weight(linear_module.weight, torch.float32) is linear_module.weight
+    linear_module.weight.data = torch.randn(6, 4)  # new memory, as module.to may give a parameter
+    moved = operand_weight(linear_module.weight, torch.float16)
+    assert moved is not first and torch.equal(moved, linear_module.weight.detach().half())
     with torch.inference_mode():
         frozen = torch.nn.Linear(4, 6)
     assert torch.equal(operand_weight(frozen.weight, torch.float16), frozen.weight.half())

@@ -35,18 +35,19 @@ _COPYING = threading.Lock()
 def operand_weight(weight: Tensor, dtype: torch.dtype) -> Tensor:
     """``weight`` in ``dtype``, copied once and kept while the parameter lives; an in-place change of the
     parameter (``load_state_dict``) is copied into the same tensor at the next call, so a CUDA graph that
-    reads the copy (it holds no reference of its own) sees it and never outlives it."""
+    reads the copy (it holds no reference of its own) sees it and never outlives it. A parameter given new
+    memory (``module.to`` assigning its ``.data``) gets a new copy."""
     if weight.dtype == dtype:
         return weight
     with _COPYING:  # threads decoding at once must not each make (and drop) a copy
-        copies = weight.__dict__.setdefault("_operand_copies", {})  # dtype -> (weight's version, copy)
-        version, copy = copies.get(dtype, (None, None))
+        copies = weight.__dict__.setdefault("_operand_copies", {})  # dtype -> (memory, version, copy)
+        memory, version, copy = copies.get(dtype, (None, None, None))
         now = None if weight.is_inference() else weight._version  # an inference tensor has no version
-        if copy is None:
+        if copy is None or memory != (weight.device, weight.data_ptr()):
             copy = weight.detach().to(dtype)
         elif version != now:
             copy.copy_(weight.detach())
-        copies[dtype] = now, copy
+        copies[dtype] = (weight.device, weight.data_ptr()), now, copy
         return copy
 
 
