@@ -17,19 +17,12 @@ from vocos.models import VocosBackbone
 from chattts_velocity.audio.convnext import conv_stack, fused_applies, operand_weight, vocos_backbone
 from chattts_velocity.audio.dvae import ConvStack, ConvStackConfig
 from chattts_velocity.kernels.convnext import dwconv_norm, dwconv_norm_ref, linear, linear_ref
+from chattts_velocity.model.checkpoint import randomize_
 
 
 def _randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Every parameter drawn again (the layer scales too, which start as constants), biases and norms included."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            std = 1.0 / max(1, p.shape[-1] if p.dim() > 1 else 1) ** 0.5
-            if name.endswith(("norm.weight", ".weight")) and p.dim() == 1:  # layer norm and layer scale
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(std * torch.randn(p.shape, generator=g) + (0.1 * torch.randn(p.shape, generator=g)
-                                                                    if p.dim() == 1 else 0.0))
+    """Every parameter drawn again (``randomize_``: the layer scales too, which start as constants)."""
+    randomize_(module, torch.Generator().manual_seed(seed))
     return module.eval()
 
 
@@ -239,6 +232,8 @@ def test_dwconv_norm_rejects_bad_arguments(bad: dict, message: str) -> None:
     (dict(weight=torch.zeros(6, 5)), "weight is"),
     (dict(weight=torch.zeros(6, 4, dtype=torch.float16)), "weight must have dtype float32"),
     (dict(bias=torch.zeros(5)), "bias has 5 elements"),
+    (dict(bias=torch.zeros(12)[::2]), "bias must be contiguous"),
+    (dict(scale=torch.ones(12)[::2], residual=torch.zeros(3, 6)), "scale must be contiguous"),
     (dict(scale=torch.ones(6), residual=torch.zeros(2, 6)), "residual must be"),
 ])
 def test_linear_rejects_bad_arguments(bad: dict, message: str) -> None:

@@ -69,14 +69,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor, *, gelu: bool = False, scale
     n = weight.shape[0]
     check_tensor("bias", bias, "[N]", 1, _FLOAT32)
     check(bias.shape[0] == n, f"bias has {bias.shape[0]} elements, the weight {n} rows")
+    check_contiguous("bias", bias)
     check((scale is None) == (residual is None), "scale and residual come together")
     check(not (gelu and residual is not None), "gelu or scale + residual, not both")
     if residual is not None:
         check_tensor("scale", scale, "[N]", 1, _FLOAT32)
         check(scale.shape[0] == n, f"scale has {scale.shape[0]} elements, the weight {n} rows")
+        check_contiguous("scale", scale)
         check_tensor("residual", residual, "[M, N]", 2, _FLOAT32)
         check(residual.shape == (m, n), f"residual must be [{m}, {n}], got {tuple(residual.shape)}")
         check_contiguous("residual", residual)
+        check_same_device(x=x, scale=scale, residual=residual)
     check(out_dtype in _OPERANDS, f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     check_same_device(x=x, weight=weight, bias=bias)
     if use_triton(x):

@@ -32,8 +32,7 @@ def _dwconv_norm_kernel(x_ptr, cw_ptr, cb_ptr, nw_ptr, nb_ptr, y_ptr, T, C, eps,
         inside = (src >= 0) & (src < T)
         xv = tl.load(base + src[:, None] * C + c[None, :], mask=inside[:, None] & cmask[None, :], other=0.0)
         w = tl.load(cw_ptr + c * KSIZE + k, mask=cmask, other=0.0)
-        acc += xv.to(tl.float32) * w[None, :]
-    acc = tl.where(cmask[None, :], acc, 0.0)
+        acc += xv.to(tl.float32) * w[None, :]  # 0 past C: bias, weights and x load as 0 there
     mean = tl.sum(acc, axis=1) / C
     d = tl.where(cmask[None, :], acc - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(d * d, axis=1) / C + eps)
@@ -106,8 +105,9 @@ LINEAR_TILES = {
     torch.float16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
     torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
 }
-"""The GEMM's tile and launch settings by operand dtype: the fastest of a sweep over the Decoder's and Vocos's
-shapes on an H100 (docs/perf/engine.md)."""
+"""The GEMM's tile and launch settings by operand dtype, from a sweep over the Decoder's and Vocos's four shapes
+on an H100 (docs/perf/engine.md): float16's is the best on three of them and within 4% on the fourth,
+float32's the best on two; bfloat16 (not swept) takes float16's."""
 
 
 def linear_triton(x: Tensor, weight: Tensor, bias: Tensor, gelu: bool, scale: Tensor | None,
