@@ -14,6 +14,7 @@ import torch
 from interpreter import fix_interpreter_for_numpy_2_4, report, run_interpreter_main
 from vocos.models import VocosBackbone
 
+from chattts_velocity.audio import convnext
 from chattts_velocity.audio.convnext import conv_stack, fused_applies, operand_weight, vocos_backbone
 from chattts_velocity.audio.dvae import ConvStack, ConvStackConfig
 from chattts_velocity.kernels.convnext import dwconv_norm, dwconv_norm_ref, linear, linear_ref
@@ -193,10 +194,11 @@ def test_operand_weights_are_copied_once_and_follow_in_place_changes() -> None:
     assert torch.equal(operand_weight(frozen.weight, torch.float16), frozen.weight.half())
 
 
-def test_the_cpu_and_strict_float32_keep_upstreams_ops() -> None:
+def test_the_cpu_and_strict_float32_keep_upstreams_ops(monkeypatch) -> None:
     x = torch.zeros(1, 4, 3)
+    monkeypatch.setenv("CHATTTS_VELOCITY_FUSED_DECODE", "1")
     with torch.inference_mode():
-        assert not fused_applies(x)  # the CPU
+        assert not fused_applies(x)  # the CPU, even when asked for
     if torch.cuda.is_available():
         m = torch.backends.cuda.matmul
         saved = m.fp32_precision
@@ -210,6 +212,22 @@ def test_the_cpu_and_strict_float32_keep_upstreams_ops() -> None:
             assert not fused_applies(x.cuda())  # autograd on: the modules' ops
         finally:
             m.fp32_precision = saved
+
+
+@pytest.mark.parametrize("setting, early_launch, expected", [
+    (None, False, True), (None, True, False),  # by default: off beside early-launched engine kernels
+    ("1", True, True), ("1", False, True), ("0", False, False), ("0", True, False), ("", True, False),
+])
+def test_the_fused_decode_by_default_only_where_the_engine_does_not_launch_early(
+        monkeypatch, setting: str | None, early_launch: bool, expected: bool) -> None:
+    if setting is None:
+        monkeypatch.delenv("CHATTTS_VELOCITY_FUSED_DECODE", raising=False)
+    else:
+        monkeypatch.setenv("CHATTTS_VELOCITY_FUSED_DECODE", setting)
+    asked = []
+    monkeypatch.setattr(convnext, "use_pdl", lambda device: asked.append(device) or early_launch)
+    assert convnext.fused_default(torch.device("cuda", 0)) is expected
+    assert asked == ([] if setting in ("0", "1") else [torch.device("cuda", 0)])
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -265,15 +283,14 @@ def test_gpu_fused_stacks_match_the_modules_at_the_real_sizes() -> None:
             exact = stack(x), backbone(mel)
         m.fp32_precision = c.fp32_precision = "tf32"
         with torch.inference_mode():
+            os.environ["CHATTTS_VELOCITY_FUSED_DECODE"] = "1"  # (off by default beside early-launched kernels)
             assert fused_applies(x)
             fused = stack(x), vocos_backbone(backbone, mel)
             os.environ["CHATTTS_VELOCITY_FUSED_DECODE"] = "0"
-            try:
-                unfused = stack(x), vocos_backbone(backbone, mel)
-            finally:
-                del os.environ["CHATTTS_VELOCITY_FUSED_DECODE"]
+            unfused = stack(x), vocos_backbone(backbone, mel)
     finally:
         m.fp32_precision, c.fp32_precision = saved
+        os.environ.pop("CHATTTS_VELOCITY_FUSED_DECODE", None)
     for f, u, e, name in zip(fused, unfused, exact, ("decoder", "backbone"), strict=True):
         assert f.shape == e.shape, name
         err_fused, err_torch = _rel(f, e), _rel(u, e)
