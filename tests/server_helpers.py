@@ -26,11 +26,13 @@ def free_port() -> int:
 class ServerProcess:
     """``chattts-velocity serve`` as a child process; ``url`` once healthy."""
 
-    def __init__(self, model_dir: str, *args: str, api_key: str | None = API_KEY, log_path: str | None = None,
-                 env: dict | None = None, ready_timeout: float = 120):
+    def __init__(self, model_dir: str | None, *args: str, api_key: str | None = API_KEY, log_path: str | None = None,
+                 env: dict | None = None, ready_timeout: float = 120, device: str = "cpu"):
+        """``model_dir`` None: full-size random weights (``--dummy``)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "chattts_velocity.cli", "serve", "--model", model_dir, "--device", "cpu",
+        model = ["--model", model_dir] if model_dir is not None else ["--dummy"]
+        cmd = [sys.executable, "-m", "chattts_velocity.cli", "serve", *model, "--device", device,
                "--port", str(self.port), "--log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]
