@@ -5,6 +5,7 @@ shutdown leave the other requests intact and the block pool full."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 import time
@@ -374,7 +375,7 @@ def test_a_thousand_requests_with_random_cancellation_leave_the_pool_full_and_me
     assert growth < 32 * 2**20, f"memory grew by {growth / 2**20:.1f} MiB over 500 requests"
 
 
-def test_health_check_reports_a_stalled_step_a_dead_thread_and_shutdown(chat, make_async, monkeypatch):
+def test_health_check_reports_a_stalled_step_a_dead_thread_and_shutdown(chat, make_async, monkeypatch, caplog):
     engine = make_async()
     engine.check_health(stall_s=0.05)  # idle: healthy however long ago the last step was
     release, step = threading.Event(), engine.engine.step
@@ -386,8 +387,13 @@ def test_health_check_reports_a_stalled_step_a_dead_thread_and_shutdown(chat, ma
     monkeypatch.setattr(engine.engine, "step", stalled_step)
     stream = engine.add_request(code_prompt(chat, "stall"), seeded(0, 8, min_new=8))
     threading.Event().wait(0.3)
-    with pytest.raises(RuntimeError, match="without finishing a step"):
-        engine.check_health(stall_s=0.2)
+    with caplog.at_level(logging.ERROR, logger="chattts_velocity.engine.async_engine"):
+        for _ in range(3):  # a health probe every so often: the stall is logged once, with where it hangs
+            with pytest.raises(RuntimeError, match="without finishing a step"):
+                engine.check_health(stall_s=0.2)
+    stalls = [r.getMessage() for r in caplog.records if "without finishing a step" in r.getMessage()]
+    assert len(stalls) == 1, stalls
+    assert "in stalled_step" in stalls[0] and "release.wait(30)" in stalls[0], stalls[0]
     engine.check_health(stall_s=30)
     release.set()
     assert collect(stream)[0].finish_reason is FinishReason.LENGTH

@@ -11,8 +11,10 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import sys
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator
@@ -72,6 +74,7 @@ class AsyncLLMEngine:
         """No request queued, running or being aborted (updated by the engine thread)."""
         self._beat = time.monotonic()
         """When the engine thread last finished a step or woke up to work (``check_health``)."""
+        self._stall_logged: float | None = None  # ``_beat`` of the last stall logged (one log line a stall)
         self._abort_asked: dict[str, float] = {}  # request id -> when its abort was asked
         self._abort_wait = Timings()
         self._loop_time = Timings()
@@ -188,7 +191,19 @@ class AsyncLLMEngine:
         if thread is not None and not thread.is_alive():
             raise RuntimeError("the engine thread died (the log has its traceback)")
         if busy and time.monotonic() - beat > stall_s:
+            self._log_stall(thread, beat, stall_s)
             raise RuntimeError(f"the engine has had work for over {stall_s:g} s without finishing a step")
+
+    def _log_stall(self, thread: threading.Thread | None, beat: float, stall_s: float) -> None:
+        """Log, once a stall, where the engine thread is (a hung device call shows as the wait it hangs in)."""
+        with self._lock:
+            if self._stall_logged == beat:
+                return
+            self._stall_logged = beat
+        frame = sys._current_frames().get(thread.ident) if thread is not None else None
+        where = "".join(traceback.format_stack(frame)) if frame is not None else "(its stack is not available)\n"
+        logger.error("the engine has had work for over %g s without finishing a step; its thread is at:\n%s",
+                     stall_s, where.rstrip())
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Take no new requests; with ``drain`` finish the queued and running ones, else abort them. Waits up
