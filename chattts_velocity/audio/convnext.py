@@ -25,7 +25,7 @@ from ..kernels.convnext import dwconv_norm, linear
 
 
 def fused_default(device: torch.device) -> bool:
-    """Whether the fused stack is on by default on ``device``: only where the engine's decode kernels do not run
+    """Whether the fused stack is on by default on ``device``: only where the engine's step kernels do not run
     under programmatic dependent launch (``kernels._triton._launch.use_pdl``: Hopper and newer). A speech
     server on an H100 with both hung its device: a stream window's decode on these kernels, on the decoder's
     own stream, never finished beside the engine's early-launched kernels (the GPU busy, nothing served);
