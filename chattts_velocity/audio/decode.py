@@ -35,8 +35,9 @@ class AudioDecoder:
     ``tf32``: on CUDA, run the float32 matmuls and convolutions of the wav decode on TF32 tensor cores, and its
     ConvNeXt blocks on the fused channels-last kernels where ``audio.convnext.fused_default`` allows
     (``audio.convnext``: float16 activations, float32 sums and residual stream); measured from torch's default
-    settings (TF32 convolutions only) the wavs move about as little this way as in strict float32 (`benchmarks/wav_decode.py`; docs/perf/). The setting is restored
-    after every decode; ``tf32=False`` runs upstream's torch ops at torch's own precision settings.
+    settings (TF32 convolutions only) the wavs move about as little this way as in strict float32
+    (`benchmarks/wav_decode.py`; docs/perf/). The setting is restored after every decode; ``tf32=False`` runs
+    upstream's torch ops at torch's own precision settings.
     """
 
     def __init__(self, dvae: DVAE, decoder: DVAE, vocos: Vocos, device: torch.device | str, tf32: bool = True):
