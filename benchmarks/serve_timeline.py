@@ -143,9 +143,9 @@ def reset_http(log) -> float:
 
 def busy_wall(log) -> float:
     """The engine thread's busy span over the level: first step or round to the last (the clients' start-up
-    left out)."""
+    left out); 0 if it did nothing (every request failed before the engine: the level's row says how)."""
     spans = log["steps"] + log["wakes"]
-    return max(b for _, b, *_ in spans) - min(a for a, *_ in spans)
+    return max(b for _, b, *_ in spans) - min(a for a, *_ in spans) if spans else 0.0
 
 
 def level_http(chat, log, url: str, streams: int, requests: int, clients: int = 1, events: bool = False) -> dict:
@@ -498,7 +498,7 @@ def front_main(ends: FrontEnds, config: ServerConfig, port: int) -> None:
     """The HTTP front of ``start_split_server``, in a process of its own (as ``run.serve_fronts``' fronts)."""
     import uvicorn
 
-    client = RemoteClient(ends)
+    client = RemoteClient(ends, beat_timeout_s=config.engine_timeout_s)
     client.wait_ready()
     app = build_app(client, config)
     freeze_long_lived()
@@ -518,6 +518,7 @@ def start_split_server(chat, config: ServerConfig) -> str:
     front_ends[0].close()  # the front's now: when it exits, the host sees its pipes close
     host = EngineHost(LocalClient(chat), engine_ends)
     host.announce()
+    host.start_beating()  # without beats the front takes the engine for hung and answers 503 (``--engine-timeout``)
     threading.Thread(target=host.serve, name="host", daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

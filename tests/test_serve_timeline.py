@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,24 @@ def test_the_open_loop_timeline_reports_the_engine_and_the_requests(tmp_path):
                  "first token -> first audio: in windows"):
         assert phases[name]["n"] >= row["arrivals"], name  # (and the bench's warm-up requests)
     assert row["first_audio_p50_ms"] > 0
+
+
+
+def test_the_split_server_keeps_its_front_hearing_the_engine(monkeypatch):
+    """``--split``: the engine behind an ``EngineHost`` here, the HTTP front in a process of its own, which
+    takes an engine it has not heard from for ``engine_timeout_s`` for hung (503): the host beats, so past that
+    time the front is healthy and serves."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # (the spawned front imports the script's module too)
+    import httpx
+    import serve_timeline
+
+    from chattts_velocity.bench.stream import StreamBenchConfig, load_bench_chat
+    from chattts_velocity.server import ServerConfig
+
+    chat = load_bench_chat(StreamBenchConfig(size="tiny"), 4)
+    url = serve_timeline.start_split_server(chat, ServerConfig(max_new_token=16, engine_timeout_s=1.0))
+    time.sleep(3.0)  # three engine timeouts
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    r = httpx.post(url + "/v1/audio/speech", json={"model": "tts-1", "input": "hello there", "voice": "alloy",
+                                                   "response_format": "pcm"}, timeout=120)
+    assert r.status_code == 200 and len(r.content) > 0
