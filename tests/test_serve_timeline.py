@@ -1,6 +1,7 @@
 """``benchmarks/serve_timeline.py`` on the tiny model on the CPU: its open-loop mode runs ``bench serve --rates``
 against the instrumented in-process server and reports the engine thread's time and the requests' phases (a
-run of the script, so its wrappers around the engine keep up with the engine's signatures)."""
+run of the script, so its wrappers around the engine keep up with the engine's signatures); its split server
+(``--split``) keeps serving through its front process."""
 
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ def test_the_open_loop_timeline_reports_the_engine_and_the_requests(tmp_path):
                  "first token -> first audio: in windows"):
         assert phases[name]["n"] >= row["arrivals"], name  # (and the bench's warm-up requests)
     assert row["first_audio_p50_ms"] > 0
-
 
 
 def test_the_split_server_keeps_its_front_hearing_the_engine(monkeypatch):
