@@ -416,3 +416,31 @@ def test_health_check_reports_a_stalled_step_a_dead_thread_and_shutdown(chat, ma
         threading.Event().wait(0.01)
     with pytest.raises(RuntimeError, match="thread died"):
         broken.check_health()
+
+
+def test_a_stall_is_logged_with_nobody_asking(chat, make_async, monkeypatch, caplog):
+    """The engine's watcher logs a stalled step (once, with where the engine thread waits) without a health
+    probe, and ends with the engine thread."""
+    engine = make_async()
+    engine.watch_s, engine.watch_stall_s = 0.05, 0.2
+    release, step = threading.Event(), engine.engine.step
+
+    def stuck_in_the_device():
+        release.wait(30)
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", stuck_in_the_device)
+    before = set(threading.enumerate())
+    with caplog.at_level(logging.ERROR, logger="chattts_velocity.engine.async_engine"):
+        stream = engine.add_request(code_prompt(chat, "stall"), seeded(0, 8, min_new=8))
+        threading.Event().wait(0.8)  # the stall, and a dozen of the watcher's turns past it
+        stalls = [r.getMessage() for r in caplog.records if "without finishing a step" in r.getMessage()]
+    assert len(stalls) == 1 and "in stuck_in_the_device" in stalls[0], stalls
+    release.set()
+    assert collect(stream)[0].finish_reason is FinishReason.LENGTH
+    watchers = [t for t in threading.enumerate() if t.name == "chattts-velocity-engine-watch" and t not in before]
+    assert len(watchers) == 1
+    engine.shutdown()
+    for t in watchers:
+        t.join(5)
+    assert not any(t.is_alive() for t in watchers)

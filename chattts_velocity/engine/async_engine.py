@@ -39,6 +39,13 @@ _LATE_AUDIO_S = 10.0
 on a thread of its own: ``AudioPump.thread``) and be timed (``first_audio_wait``)."""
 
 
+WATCH_S = 5.0
+"""How often a watcher thread asks ``check_health`` while the engine thread runs, so a stall is logged (with
+where the engine thread waits) even where nobody probes the engine's health."""
+WATCH_STALL_S = 60.0
+"""The stall the watcher logs: work for this long without a finished step."""
+
+
 class EngineShutdownError(RuntimeError):
     """The engine was shut down: it takes no new requests."""
 
@@ -75,6 +82,8 @@ class AsyncLLMEngine:
         self._beat = time.monotonic()
         """When the engine thread last finished a step or woke up to work (``check_health``)."""
         self._stall_logged: float | None = None  # ``_beat`` of the last stall logged (one log line a stall)
+        self.watch_s, self.watch_stall_s = WATCH_S, WATCH_STALL_S
+        """The watcher's period and the stall it logs (``WATCH_S``, ``WATCH_STALL_S``)."""
         self._abort_asked: dict[str, float] = {}  # request id -> when its abort was asked
         self._abort_wait = Timings()
         self._loop_time = Timings()
@@ -222,6 +231,19 @@ class AsyncLLMEngine:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="chattts-velocity-engine", daemon=True)
             self._thread.start()
+            threading.Thread(target=self._watch, args=(self._thread,), name="chattts-velocity-engine-watch",
+                             daemon=True).start()
+
+    def _watch(self, thread: threading.Thread) -> None:
+        """While ``thread`` (the engine thread) runs, ask ``check_health`` every ``watch_s``: it logs a stall."""
+        while True:
+            thread.join(self.watch_s)
+            if not thread.is_alive():
+                return
+            try:
+                self.check_health(self.watch_stall_s)
+            except RuntimeError:  # logged there (a stall), or the engine is stopping
+                pass
 
     def _run(self) -> None:
         # The engine's device work goes on a stream of its own: on the legacy default stream, other threads'
