@@ -375,9 +375,8 @@ def test_a_thousand_requests_with_random_cancellation_leave_the_pool_full_and_me
     assert growth < 32 * 2**20, f"memory grew by {growth / 2**20:.1f} MiB over 500 requests"
 
 
-def test_health_check_reports_a_stalled_step_a_dead_thread_and_shutdown(chat, make_async, monkeypatch, caplog):
-    engine = make_async()
-    engine.check_health(stall_s=0.05)  # idle: healthy however long ago the last step was
+def stall_steps(engine, monkeypatch) -> threading.Event:
+    """Make the engine's steps hang (as in a hung device call) until the returned event is set."""
     release, step = threading.Event(), engine.engine.step
 
     def stalled_step():
@@ -385,6 +384,13 @@ def test_health_check_reports_a_stalled_step_a_dead_thread_and_shutdown(chat, ma
         return step()
 
     monkeypatch.setattr(engine.engine, "step", stalled_step)
+    return release
+
+
+def test_health_check_reports_a_stalled_step_a_dead_thread_and_shutdown(chat, make_async, monkeypatch, caplog):
+    engine = make_async()
+    engine.check_health(stall_s=0.05)  # idle: healthy however long ago the last step was
+    release = stall_steps(engine, monkeypatch)
     stream = engine.add_request(code_prompt(chat, "stall"), seeded(0, 8, min_new=8))
     threading.Event().wait(0.3)
     with caplog.at_level(logging.ERROR, logger="chattts_velocity.engine.async_engine"):
@@ -423,19 +429,13 @@ def test_a_stall_is_logged_with_nobody_asking(chat, make_async, monkeypatch, cap
     probe, and ends with the engine thread."""
     engine = make_async()
     engine.watch_s, engine.watch_stall_s = 0.05, 0.2
-    release, step = threading.Event(), engine.engine.step
-
-    def stuck_in_the_device():
-        release.wait(30)
-        return step()
-
-    monkeypatch.setattr(engine.engine, "step", stuck_in_the_device)
+    release = stall_steps(engine, monkeypatch)
     before = set(threading.enumerate())
     with caplog.at_level(logging.ERROR, logger="chattts_velocity.engine.async_engine"):
         stream = engine.add_request(code_prompt(chat, "stall"), seeded(0, 8, min_new=8))
         threading.Event().wait(0.8)  # the stall, and a dozen of the watcher's turns past it
         stalls = [r.getMessage() for r in caplog.records if "without finishing a step" in r.getMessage()]
-    assert len(stalls) == 1 and "in stuck_in_the_device" in stalls[0], stalls
+    assert len(stalls) == 1 and "in stalled_step" in stalls[0], stalls
     release.set()
     assert collect(stream)[0].finish_reason is FinishReason.LENGTH
     watchers = [t for t in threading.enumerate() if t.name == "chattts-velocity-engine-watch" and t not in before]

@@ -264,7 +264,7 @@ def test_linear_rejects_bad_arguments(bad: dict, message: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_gpu_fused_stacks_match_the_modules_at_the_real_sizes() -> None:
+def test_gpu_fused_stacks_match_the_modules_at_the_real_sizes(monkeypatch) -> None:
     """The Decoder's stack (hidden 512, 12 blocks, dilation 2) and Vocos's backbone (512, 1536, 8 blocks) on
     the fused kernels against the modules, both in TF32 (the wav decode's setting) and against strict float32."""
     m, c = torch.backends.cuda.matmul, torch.backends.cudnn.conv
@@ -283,14 +283,13 @@ def test_gpu_fused_stacks_match_the_modules_at_the_real_sizes() -> None:
             exact = stack(x), backbone(mel)
         m.fp32_precision = c.fp32_precision = "tf32"
         with torch.inference_mode():
-            os.environ["CHATTTS_VELOCITY_FUSED_DECODE"] = "1"  # (off by default beside early-launched kernels)
+            monkeypatch.setenv("CHATTTS_VELOCITY_FUSED_DECODE", "1")  # (off by default beside early launches)
             assert fused_applies(x)
             fused = stack(x), vocos_backbone(backbone, mel)
-            os.environ["CHATTTS_VELOCITY_FUSED_DECODE"] = "0"
+            monkeypatch.setenv("CHATTTS_VELOCITY_FUSED_DECODE", "0")
             unfused = stack(x), vocos_backbone(backbone, mel)
     finally:
         m.fp32_precision, c.fp32_precision = saved
-        os.environ.pop("CHATTTS_VELOCITY_FUSED_DECODE", None)
     for f, u, e, name in zip(fused, unfused, exact, ("decoder", "backbone"), strict=True):
         assert f.shape == e.shape, name
         err_fused, err_torch = _rel(f, e), _rel(u, e)

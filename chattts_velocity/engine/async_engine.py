@@ -39,11 +39,11 @@ _LATE_AUDIO_S = 10.0
 on a thread of its own: ``AudioPump.thread``) and be timed (``first_audio_wait``)."""
 
 
+STALL_S = 60.0
+"""Work for this long without a finished step is a stall (``check_health``'s default: a hung device call)."""
 WATCH_S = 5.0
 """How often a watcher thread asks ``check_health`` while the engine thread runs, so a stall is logged (with
 where the engine thread waits) even where nobody probes the engine's health."""
-WATCH_STALL_S = 60.0
-"""The stall the watcher logs: work for this long without a finished step."""
 
 
 class EngineShutdownError(RuntimeError):
@@ -82,8 +82,8 @@ class AsyncLLMEngine:
         self._beat = time.monotonic()
         """When the engine thread last finished a step or woke up to work (``check_health``)."""
         self._stall_logged: float | None = None  # ``_beat`` of the last stall logged (one log line a stall)
-        self.watch_s, self.watch_stall_s = WATCH_S, WATCH_STALL_S
-        """The watcher's period and the stall it logs (``WATCH_S``, ``WATCH_STALL_S``)."""
+        self.watch_s, self.watch_stall_s = WATCH_S, STALL_S
+        """The watcher's period and the stall it logs (``WATCH_S``, ``STALL_S``)."""
         self._abort_asked: dict[str, float] = {}  # request id -> when its abort was asked
         self._abort_wait = Timings()
         self._loop_time = Timings()
@@ -190,7 +190,7 @@ class AsyncLLMEngine:
         with self._lock:
             return self._lock.wait_for(lambda: self._idle and not (self._new or self._aborts), timeout)
 
-    def check_health(self, stall_s: float = 60.0) -> None:
+    def check_health(self, stall_s: float = STALL_S) -> None:
         """Raise ``RuntimeError`` if the engine cannot serve: shut down, its thread died, or it has had work for
         ``stall_s`` seconds without finishing a step (a hung device call). Cheap enough for a health probe."""
         with self._lock:

@@ -8,6 +8,7 @@ import asyncio
 import numpy as np
 
 from ..engine import EngineStats, Prompt, SamplingParams
+from ..engine.async_engine import STALL_S
 from ..params import RefineTextParams
 from ..pipeline import JoinedAudio, refined_texts
 from .client import EngineClient, EngineInfo
@@ -19,7 +20,7 @@ class LocalClient(EngineClient):
     """Requests run in ``chat``'s engine, their audio read straight from its pipeline (``JoinedAudio``)."""
 
     def __init__(self, chat, voices_dir: str | None = None, shared_voices: SharedVoices | None = None,
-                 owns_chat: bool = False, stall_s: float = 60.0):
+                 owns_chat: bool = False, stall_s: float = STALL_S):
         """``voices_dir``: where registered voices are kept (``VoiceRegistry``'s folder); ``shared_voices``: a
         store other replicas read; ``owns_chat``: ``close`` unloads ``chat``; ``stall_s``: ``health`` fails once
         the engine has had work this long without finishing a step."""

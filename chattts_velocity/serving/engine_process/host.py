@@ -19,6 +19,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from ...engine.async_engine import STALL_S
 from ..load import load_chat
 from ..local import LocalClient
 from .messages import (
@@ -62,7 +63,7 @@ class EngineSettings:
     threads: int | None = None
     """torch's intra-op threads; None: torch's default."""
     log_level: str = "info"
-    stall_s: float = 60.0
+    stall_s: float = STALL_S
     """The engine is unhealthy (its beats say so) once it has had work this long without finishing a step."""
 
 
