@@ -30,8 +30,10 @@ from .decode import AudioDecoder
 class StreamConfig:
     """How a stream is cut into decode windows."""
 
-    left_context: int = 16
-    """L: tokens before the chunk decoded with it (>= 0); the chunk's start is exact once L covers the field."""
+    left_context: int = 8
+    """L: tokens before the chunk decoded with it (>= 0); the chunk's start is exact once L covers the field.
+    The decoders' convolutions are centred, so L errs at a chunk's start as R does at its end: past R = 8, more
+    L changed the streamed audio by no more than float32 rounding (`benchmarks/stream_snr.py`; docs/perf/)."""
     lookahead: int = 8
     """R: tokens after the chunk that must exist before it is decoded (>= 0): latency traded for accuracy."""
     first_chunk: int = 8
@@ -48,7 +50,7 @@ class StreamConfig:
         return self.first_chunk if start == 0 else min(self.chunk, start)
 
     def window_lengths(self) -> tuple[int, ...]:
-        """Tokens of the windows a stream decodes: 16, 24, 40 and 48 by default, then 48 for every later
+        """Tokens of the windows a stream decodes: 16, 24, 32 and 40 by default, then 40 for every later
         chunk. The windows at a stream's end, cut short by it, take more left context to reach one of these
         lengths where the stream has the tokens (see ``AudioStream``)."""
         lengths, start = [], 0
