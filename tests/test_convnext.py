@@ -297,3 +297,23 @@ def test_gpu_fused_stacks_match_the_modules_at_the_real_sizes(monkeypatch) -> No
         assert err_fused < max(4 * err_torch, 1e-3), f"{name}: fused {err_fused:.2e}, torch TF32 {err_torch:.2e}"
         snr = 10 * np.log10(float((e.double() ** 2).sum() / ((f.double() - e.double()) ** 2).sum()))
         assert snr > 50, f"{name}: SNR {snr:.1f} dB against strict float32"
+
+
+@pytest.mark.parametrize("setting, early_launch, warned", [
+    ("1", True, True), ("1", False, False), (None, True, False), ("0", True, False),
+])
+def test_a_server_asked_for_the_fused_decode_beside_early_launches_warns(
+        monkeypatch, caplog, setting: str | None, early_launch: bool, warned: bool) -> None:
+    from chattts_velocity.serving import load
+
+    if setting is None:
+        monkeypatch.delenv("CHATTTS_VELOCITY_FUSED_DECODE", raising=False)
+    else:
+        monkeypatch.setenv("CHATTTS_VELOCITY_FUSED_DECODE", setting)
+    monkeypatch.setattr(convnext, "use_pdl", lambda device: early_launch)
+    monkeypatch.setattr(load, "use_pdl", lambda device: early_launch)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a test GPU")
+    with caplog.at_level("WARNING", logger=load.__name__):
+        assert load.warn_fused_decode(torch.device("cuda", 0)) is warned
+        assert not load.warn_fused_decode(torch.device("cpu"))  # no GPU, no early launches
+    assert any("hung its GPU" in r.getMessage() for r in caplog.records) is warned
