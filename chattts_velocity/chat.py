@@ -29,7 +29,7 @@ import torch
 
 from .audio import AudioDecoder, StreamConfig
 from .audio.silence import audible
-from .device import resolve_device
+from .device import on_own_thread, resolve_device
 from .engine import AsyncLLMEngine, EngineConfig, EngineShutdownError, LLMEngine
 from .gc_freeze import freeze_long_lived, thaw
 from .model.loader import LoadedModel, ModelLoader
@@ -146,10 +146,8 @@ class Chat(UpstreamAttributes):
         device = resolve_device(device)
         loader = ModelLoader(device, load_format)
         root = None if load_format == "dummy" else self.download_models(source, force_redownload, custom_path)
-        model = loader.load(root)
-        if coef is not None:
-            _set_coef(model, coef)
-        loaded = _build(model, device, engine_config, stream_config or StreamConfig())
+        loaded = on_own_thread(device, self._build_loaded, loader, root, coef, device, engine_config,
+                               stream_config or StreamConfig())
         previous, self._loaded = self._loaded, loaded
         if previous is not None:
             thaw()
@@ -158,6 +156,15 @@ class Chat(UpstreamAttributes):
             freeze_long_lived()
         self.logger.info("ChatTTS loaded from %s on %s", root or "random weights", device)
         return True
+
+    @staticmethod
+    def _build_loaded(loader, root, coef, device, engine_config, stream_config):
+        """The weights read (``loader``) and the velocity engine built over them (on the CPU on a thread of its
+        own: ``device.on_own_thread``)."""
+        model = loader.load(root)
+        if coef is not None:
+            _set_coef(model, coef)
+        return _build(model, device, engine_config, stream_config)
 
     def has_loaded(self, use_decoder: bool = False) -> bool:
         return self.model is not None

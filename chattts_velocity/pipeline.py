@@ -22,6 +22,7 @@ from tqdm import tqdm
 from .audio import AudioPump, StreamConfig
 from .audio.joins import aligned, faded
 from .audio.pump import PENDING, take_ready
+from .device import on_own_thread
 from .engine import AsyncLLMEngine, FinishReason, Mode, Prompt, RequestOutput, RequestStream, SamplingParams
 from .engine.sequence import Sequence
 from .params import InferCodeParams, RefineTextParams
@@ -103,7 +104,8 @@ class Pipeline:
         """Full wavs (not yet silence-stripped), each decoded at its own length."""
         results = self.codes(texts, p)
         with self.audio.stream():
-            return self.audio.to_wav_list([g.hidden if use_decoder else g.ids for g in results], use_decoder)
+            return on_own_thread(self.audio.device, self.audio.to_wav_list,
+                                 [g.hidden if use_decoder else g.ids for g in results], use_decoder)
 
     def stream(self, texts: list[str], p: InferCodeParams, use_decoder: bool) -> Iterator[np.ndarray]:
         """[B, n] chunks of the texts' audio as it is generated, silence columns dropped as upstream does with

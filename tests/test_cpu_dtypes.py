@@ -230,3 +230,31 @@ def test_the_reference_path_stays_upstream_s_float32_beside_a_cpu_dtype_engine(c
         assert other.infer(["hello"], skip_refine_text=True)[0].size > 0
     finally:
         other.unload()
+
+
+def test_cpu_work_runs_on_a_thread_of_its_own_and_answers_as_if_called_here() -> None:
+    """``device.on_own_thread``: on the CPU ``fn`` runs on another thread (whose OpenMP team ends with it), with
+    the caller's grad and inference modes, its result returned and its error raised here; elsewhere it runs
+    here."""
+    import threading
+
+    on_own_thread = device_module.on_own_thread
+
+    def where(x):
+        return threading.get_ident(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), x * 2
+
+    here = threading.get_ident()
+    ident, grad, inference, value = on_own_thread(torch.device("cpu"), where, 21)
+    assert ident != here and (grad, inference, value) == (True, False, 42)
+    with torch.inference_mode():
+        _, grad, inference, _ = on_own_thread(torch.device("cpu"), where, 1)
+    assert (grad, inference) == (False, True)
+    with torch.no_grad():
+        assert on_own_thread(torch.device("cpu"), where, 1)[1] is False
+    assert on_own_thread(torch.device("meta"), where, 1)[0] == here  # not the CPU: called directly
+
+    def fails():
+        raise KeyError("from the worker")
+
+    with pytest.raises(KeyError, match="from the worker"):
+        on_own_thread(torch.device("cpu"), fails)
