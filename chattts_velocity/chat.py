@@ -197,8 +197,10 @@ class Chat(UpstreamAttributes):
         return model.speaker_stats.sample_random()
 
     def sample_audio_speaker(self, wav: np.ndarray | torch.Tensor) -> str:
-        """A voice-sample string (``spk_smp``) from a 24 kHz mono wav, through the DVAE encoder."""
-        return _voice_sample(self._require(), wav)
+        """A voice-sample string (``spk_smp``) from a 24 kHz mono wav, through the DVAE encoder (on the CPU on a
+        thread of its own: ``device.on_own_thread``)."""
+        loaded = self._require()
+        return on_own_thread(loaded.audio.device, _voice_sample, loaded, wav)
 
     def interrupt(self) -> None:
         """Stop every ``infer`` call of this ``Chat`` running now after its current step; each returns (or
