@@ -29,7 +29,8 @@ import torch
 
 from .audio import AudioDecoder, StreamConfig
 from .audio.silence import audible
-from .device import on_own_thread, resolve_device
+from .cpu_threads import on_own_thread
+from .device import resolve_device
 from .engine import AsyncLLMEngine, EngineConfig, EngineShutdownError, LLMEngine
 from .gc_freeze import freeze_long_lived, thaw
 from .model.loader import LoadedModel, ModelLoader
@@ -160,7 +161,7 @@ class Chat(UpstreamAttributes):
     @staticmethod
     def _build_loaded(loader, root, coef, device, engine_config, stream_config):
         """The weights read (``loader``) and the velocity engine built over them (on the CPU on a thread of its
-        own: ``device.on_own_thread``)."""
+        own: ``cpu_threads.on_own_thread``)."""
         model = loader.load(root)
         if coef is not None:
             _set_coef(model, coef)
@@ -198,7 +199,7 @@ class Chat(UpstreamAttributes):
 
     def sample_audio_speaker(self, wav: np.ndarray | torch.Tensor) -> str:
         """A voice-sample string (``spk_smp``) from a 24 kHz mono wav, through the DVAE encoder (on the CPU on a
-        thread of its own: ``device.on_own_thread``)."""
+        thread of its own: ``cpu_threads.on_own_thread``)."""
         loaded = self._require()
         return on_own_thread(loaded.audio.device, _voice_sample, loaded, wav)
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from .audio import AudioPump, StreamConfig
 from .audio.joins import aligned, faded
 from .audio.pump import PENDING, take_ready
-from .device import on_own_thread
+from .cpu_threads import on_own_thread
 from .engine import AsyncLLMEngine, FinishReason, Mode, Prompt, RequestOutput, RequestStream, SamplingParams
 from .engine.sequence import Sequence
 from .params import InferCodeParams, RefineTextParams

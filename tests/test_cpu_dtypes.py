@@ -233,12 +233,12 @@ def test_the_reference_path_stays_upstream_s_float32_beside_a_cpu_dtype_engine(c
 
 
 def test_cpu_work_runs_on_a_thread_of_its_own_and_answers_as_if_called_here() -> None:
-    """``device.on_own_thread``: on the CPU ``fn`` runs on another thread (whose OpenMP team ends with it), with
+    """``cpu_threads.on_own_thread``: on the CPU ``fn`` runs on another thread (whose OpenMP team ends with it), with
     the caller's grad and inference modes, its result returned and its error raised here; elsewhere it runs
     here."""
     import threading
 
-    on_own_thread = device_module.on_own_thread
+    from chattts_velocity.cpu_threads import on_own_thread
 
     def where(x):
         return threading.get_ident(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), x * 2

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..cpu_threads import on_own_thread
 from ._dispatch import FLOAT_DTYPES, check, check_contiguous, check_same_device, check_tensor, use_triton
 from .activation import silu_and_mul_ref
 from .kv_cache import check_store_kv
@@ -149,7 +150,12 @@ class CpuWeight:
 
 @functools.cache
 def cpu_weight_formats() -> tuple[str, ...]:
-    """The ``CpuWeight`` formats whose kernels this build of torch runs, and gets right, on this machine."""
+    """The ``CpuWeight`` formats whose kernels this build of torch runs, and gets right, on this machine (probed
+    on a thread of its own: the kernels' OpenMP team must not stay with the caller, ``cpu_threads``)."""
+    return on_own_thread(torch.device("cpu"), _probe_formats)
+
+
+def _probe_formats() -> tuple[str, ...]:
     w, x = torch.linspace(-1, 1, 8 * 64).view(8, 64), torch.linspace(1, -1, 2 * 64).view(2, 64)
     runs = []
     for fmt in CPU_WEIGHT_FORMATS:
