@@ -147,8 +147,13 @@ class Chat(UpstreamAttributes):
         device = resolve_device(device)
         loader = ModelLoader(device, load_format)
         root = None if load_format == "dummy" else self.download_models(source, force_redownload, custom_path)
-        loaded = on_own_thread(device, self._build_loaded, loader, root, coef, device, engine_config,
-                               stream_config or StreamConfig())
+        def build() -> _Loaded:  # (on the CPU on a thread of its own: ``cpu_threads.on_own_thread``)
+            model = loader.load(root)
+            if coef is not None:
+                _set_coef(model, coef)
+            return _build(model, device, engine_config, stream_config or StreamConfig())
+
+        loaded = on_own_thread(device, build)
         previous, self._loaded = self._loaded, loaded
         if previous is not None:
             thaw()
@@ -157,15 +162,6 @@ class Chat(UpstreamAttributes):
             freeze_long_lived()
         self.logger.info("ChatTTS loaded from %s on %s", root or "random weights", device)
         return True
-
-    @staticmethod
-    def _build_loaded(loader, root, coef, device, engine_config, stream_config):
-        """The weights read (``loader``) and the velocity engine built over them (on the CPU on a thread of its
-        own: ``cpu_threads.on_own_thread``)."""
-        model = loader.load(root)
-        if coef is not None:
-            _set_coef(model, coef)
-        return _build(model, device, engine_config, stream_config)
 
     def has_loaded(self, use_decoder: bool = False) -> bool:
         return self.model is not None

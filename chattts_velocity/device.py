@@ -42,4 +42,3 @@ def default_engine_dtype(device: torch.device | str | None) -> str:
     if resolve_device(device).type == "cuda" or "float16" in cpu_weight_formats():
         return "float16"
     return "float32"
-

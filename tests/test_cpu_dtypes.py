@@ -6,12 +6,15 @@ figures: ``chattts-velocity bench agreement --size full``, docs/perf/cpu.md)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 from chattts_velocity import device as device_module
 from chattts_velocity.bench.agreement import agreement, sampled_codes, teacher_forced
+from chattts_velocity.cpu_threads import on_own_thread
 from chattts_velocity.engine import EngineConfig, LLMEngine, Mode, Prompt, SamplingParams
 from chattts_velocity.engine.engine_config import CPU_WEIGHTS, ENGINE_DTYPES
 from chattts_velocity.engine.model_runner import CpuHeadSampler
@@ -236,10 +239,6 @@ def test_cpu_work_runs_on_a_thread_of_its_own_and_answers_as_if_called_here() ->
     """``cpu_threads.on_own_thread``: on the CPU ``fn`` runs on another thread (whose OpenMP team ends with it), with
     the caller's grad and inference modes, its result returned and its error raised here; elsewhere it runs
     here."""
-    import threading
-
-    from chattts_velocity.cpu_threads import on_own_thread
-
     def where(x):
         return threading.get_ident(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), x * 2
 

@@ -83,9 +83,7 @@ def test_streamed_pcm_arrives_in_chunks(client):
         for chunk in r.iter_bytes(chunk_size=None):
             chunks.append(chunk)
     assert len(chunks) > 1
-    streamed = np.frombuffer(b"".join(chunks), dtype=np.int16)
-    offline = np.frombuffer(whole, dtype=np.int16)  # (decoded whole: the stream's windows differ by rounding)
-    assert abs(streamed.size - offline.size) < 24 and streamed.size > 24000 * 0.5
+    assert len(b"".join(chunks)) == len(whole) > 2 * 24000 * 0.5  # the whole body's duration
 
 
 def _threads(pid: int) -> int:
