@@ -12,6 +12,7 @@ activations; forced on: by default a Hopper GPU runs ``tf32-torch``, see ``convn
 precision variants of the torch ops.
 
     python benchmarks/wav_decode.py --batch 256 --chunk 32 64 --tokens 500
+    python benchmarks/wav_decode.py --buckets 16 40 --modes tf32-torch --chunk 32   # the window graphs' buckets
 """
 
 from __future__ import annotations
@@ -151,6 +152,44 @@ def windows_probe(model, modes, distinct: torch.Tensor, lengths: list[int], repe
                   + "  ".join(f"{d:14.2f}" for d in devs), flush=True)
 
 
+def buckets_probe(model, distinct: torch.Tensor, lengths: list[int], repeats: int) -> None:
+    """The stream windows' CUDA graphs (``audio.graphs``, on the decoder's stream): device ms of one replay of
+    each batch bucket, the fixed cost of a replay in windows (a least-squares line through them), and batches
+    between buckets decoded as ``cover`` splits them against the smallest bucket that holds them."""
+    from chattts_velocity.audio.graphs import BATCH_BUCKETS
+
+    dec = AudioDecoder(model.dvae, model.decoder, model.vocos, "cuda")
+    dec.use_graphs(lengths, capture=True)
+    graphs = dec.graphs
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats + 2):
+            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.inference_mode(), dec._precision(True), dec.stream():
+                ev[0].record()
+                for _ in range(5):
+                    fn()
+                ev[1].record()
+            ev[1].synchronize()
+            times.append(ev[0].elapsed_time(ev[1]) / 5)
+        return statistics.median(times[2:])
+
+    for w in lengths:
+        x = torch.stack([distinct[i % distinct.shape[0], (i * 7) % (distinct.shape[1] - w):][:w]
+                         for i in range(max(BATCH_BUCKETS))]).transpose(1, 2).contiguous()
+        ms = {b: timed(lambda b=b, x=x: graphs._replay(x[:b], b, True)) for b in BATCH_BUCKETS}
+        slope, fixed = np.polyfit(list(ms), list(ms.values()), 1)
+        print(f"W={w}: replay ms by bucket " + ", ".join(f"{b}: {t:.3f}" for b, t in ms.items())
+              + f"; fixed {fixed:.3f} ms = {fixed / slope:.1f} windows", flush=True)
+        for b in (20, 37, 100, 130, 200, 210):
+            smallest = next(k for k in BATCH_BUCKETS if k >= b)
+            one = timed(lambda b=b, k=smallest, x=x: graphs._replay(x[:b], k, True))
+            split = timed(lambda b=b, x=x: graphs.run(x[:b], True))
+            print(f"  {b:3d} windows: bucket {smallest} {one:.3f} ms, cover {graphs.plan(b, w)} "
+                  f"{split:.3f} ms", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -160,6 +199,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also torch.compile the tf32, bf16 and fp16 modes")
     ap.add_argument("--windows", type=int, nargs="*", default=[],
                     help="also time stream-window batches of these lengths (tokens), at 1 to 256 windows")
+    ap.add_argument("--buckets", type=int, nargs="*", default=[],
+                    help="also time the stream-window graphs' batch buckets at these window lengths (tokens)")
     ap.add_argument("--modes", nargs="+", default=None,
                     help="only these modes (fp32, the SNR reference, always runs): tf32 bf16-autocast ...")
     ap.add_argument("--cudnn-benchmark", action="store_true",
@@ -198,6 +239,8 @@ def main() -> None:
         modes.append(Mode("bf16-weights+compile", model, half=torch.bfloat16, compile_=True, fused=False))
     if args.modes:
         modes = [m for m in modes if m.name == "fp32" or m.name in args.modes]
+    if args.buckets:
+        buckets_probe(model, distinct, args.buckets, args.repeats)
     if args.windows:
         windows_probe(model, [m for m in modes if not m.compiled], distinct, args.windows, args.repeats)
     ref, _ = modes[0].parts(distinct, None)

@@ -320,16 +320,44 @@ def test_use_graphs_is_a_no_op_off_cuda(ours):
     assert ours.graphs is None
 
 
+def test_cover_is_the_cheapest_split_of_a_batch_over_the_buckets():
+    """``cover`` against every multiset of buckets (up to 4 replays, or 5 of the few-window buckets): its
+    buckets hold the batch, cost no more than any other that does, and among those cost the fewest replays."""
+    import itertools
+
+    from chattts_velocity.audio.graphs import BATCH_BUCKETS, SHORT_BUCKETS, cover
+
+    for buckets, most in ((BATCH_BUCKETS, 4), (SHORT_BUCKETS, 5)):
+        for replay in (0, 3, 8, 40):
+            for batch in range(1, 2 * max(buckets) + 1):
+                parts = cover(batch, buckets, replay)
+                assert sum(parts) >= batch and list(parts) == sorted(parts, reverse=True)
+                cost = sum(parts) + replay * len(parts)
+                for n in range(1, most + 1):
+                    for other in itertools.combinations_with_replacement(buckets, n):
+                        if sum(other) >= batch:
+                            other_cost = sum(other) + replay * n
+                            assert cost <= other_cost, (batch, replay, parts, other)
+                            if cost == other_cost:
+                                assert len(parts) <= n, (batch, replay, parts, other)
+    assert cover(130, BATCH_BUCKETS, 8) == (128, 2) and cover(9, SHORT_BUCKETS, 8) == (8, 1)
+    with pytest.raises(ValueError, match="batch >= 1"):
+        cover(0, BATCH_BUCKETS, 8)
+
+
 def test_decode_graphs_take_only_their_lengths_and_buckets(ours):
     """The window lengths replay in every batch bucket, the other lengths below the longest (a short stream's
-    last windows) in the few-window buckets, a batch past a length's largest bucket in slices of it; a longer
-    window has no graph (``run`` returns None and ``to_wavs`` decodes it eagerly)."""
+    last windows) in the few-window buckets, a batch between buckets in the ones ``cover`` picks (a larger one
+    in its largest as often as it fills it); a longer window has no graph (``run`` returns None and
+    ``to_wavs`` decodes it eagerly)."""
     from chattts_velocity.audio.graphs import BATCH_BUCKETS, SHORT_BUCKETS, DecodeGraphs
 
     graphs = DecodeGraphs(ours.decoder, ours.vocos, torch.device("cpu"), (16, 48))
     hidden = 2 * ours.decoder.config.decoder.idim
     assert graphs.run(torch.zeros(2, hidden, 49), True) is None
     assert graphs.short_lengths == frozenset(range(1, 48)) - {16}
-    assert [graphs.bucket(b, 48) for b in (1, 3, 37, 256, 300)] == [1, 4, 64, 256, 256]
-    assert [graphs.bucket(b, 17) for b in (1, 3, 8, 9)] == [1, 4, 8, 8] and graphs.bucket(1, 49) is None
+    assert [graphs.plan(b, 48) for b in (1, 3, 37, 130, 256, 300)] == [(1,), (4,), (32, 8), (128, 2), (256,),
+                                                                        (256, 32, 16)]
+    assert [graphs.plan(b, 17) for b in (1, 3, 8, 9)] == [(1,), (4,), (8,), (8, 1)] and graphs.plan(1, 49) == ()
+    assert graphs.plan(37, 16) == (64,)  # a replay costs more windows of a shorter length
     assert graphs.buckets(16) == BATCH_BUCKETS and graphs.buckets(1) == SHORT_BUCKETS and graphs.buckets(0) == ()

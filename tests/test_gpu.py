@@ -76,8 +76,9 @@ def test_window_decode_graphs_equal_the_eager_decode(cuda_pair):
     eager decode of the same padded batch, with the decoder's TF32 on and off. (Not the unpadded batch: the
     batch size picks other cuDNN kernels, and torch's default runs convolutions in TF32 even with the
     decoder's TF32 off: 37 windows against 64 differed by 2% of the peak on the tiny random checkpoint.)
-    A short length (below the longest window) replays in the few-window buckets, a batch past them slice by
-    slice; a length past the longest still decodes eagerly."""
+    A short length (below the longest window) replays in the few-window buckets, a batch between buckets in
+    the ones ``cover`` picks (130 windows of 48 tokens: 128 + 2; 11 of a short length: 8 + 4); a length past
+    the longest still decodes eagerly."""
     ours, _ = cuda_pair
     audio = ours.audio
     hidden = 2 * audio.decoder.config.decoder.idim
@@ -87,26 +88,26 @@ def test_window_decode_graphs_equal_the_eager_decode(cuda_pair):
         audio.use_graphs((16, 48))
         assert audio.graphs is not None
         for tf32 in (True, False):
-            for batch, length in ((1, 16), (3, 48), (37, 16), (5, 20), (11, 7), (2, 50)):
+            for batch, length in ((1, 16), (3, 48), (37, 16), (130, 48), (5, 20), (11, 7), (2, 50)):
                 windows = list(torch.randn(batch, length, hidden, device="cuda", generator=gen))
                 graphed = audio.to_wavs(windows, True, tf32)
                 graphs, audio.graphs = audio.graphs, None
-                padded = []  # each slice of a bucket's windows, padded to its bucket, decoded eagerly
-                for i in range(0, batch, graphs.bucket(batch, length) or batch):
-                    part = windows[i : i + (graphs.bucket(batch, length) or batch)]
-                    bucket = graphs.bucket(len(part), length) or len(part)
+                padded, start = [], 0  # each bucket's windows, padded to the bucket, decoded eagerly
+                for bucket in graphs.plan(batch, length) or (batch,):
+                    part = windows[start : start + bucket]
                     padded.append(audio.to_wavs(part + [torch.zeros_like(part[0])] * (bucket - len(part)), True,
                                                 tf32)[: len(part)])
+                    start += len(part)
                 padded = np.concatenate(padded)
                 eager = audio.to_wavs(windows, True, tf32)
                 audio.graphs = graphs
                 scale = float(np.abs(eager).max())
                 assert graphed.shape == eager.shape == (batch, (2 * length - 1) * 256)
                 assert np.abs(graphed - padded).max() <= 1e-5 * scale, (tf32, batch, length)
-                if graphs.bucket(batch, length) in (batch, None):  # no padding: the eager call itself
+                if graphs.plan(batch, length) in ((batch,), ()):  # no padding: the eager call itself
                     assert np.abs(graphed - eager).max() <= 1e-5 * scale, (tf32, batch, length)
-        assert {(t, b) for t, b, _ in audio.graphs._graphs} == {(16, 1), (48, 4), (16, 64), (20, 8), (7, 8),
-                                                                  (7, 4)}
-        assert len(audio.graphs._graphs) == 12  # each in TF32 and in float32
+        assert {(t, b) for t, b, _ in audio.graphs._graphs} == {(16, 1), (48, 4), (16, 64), (48, 128), (48, 2),
+                                                                  (20, 8), (7, 8), (7, 4)}
+        assert len(audio.graphs._graphs) == 16  # each in TF32 and in float32
     finally:
         audio.graphs = saved

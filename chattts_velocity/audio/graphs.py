@@ -13,6 +13,7 @@ the decode is independent of the others (convolutions over time, per-frame linea
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 
@@ -28,13 +29,40 @@ from .vocoder import head_spectrum
 logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-"""Batch sizes a graph is captured for; a batch runs in the smallest bucket that holds it (a larger one in
-slices of the largest)."""
+"""Batch sizes a graph is captured for; a batch runs in the buckets that ``cover`` picks."""
 SHORT_BUCKETS = (1, 2, 4, 8)
 """Batch sizes captured for the other lengths up to the longest window: only a stream shorter than a window
 length ends in one of them (its last windows cannot take more left context), a few streams a round. Eagerly,
 such a call was one of a loaded server's slowest in a round (new shapes: `chattts-velocity bench serve`;
 docs/perf/), and the round, which every request's first audio in it waits for, with it."""
+REPLAY_TOKENS = 448
+"""What one more replay costs, in window tokens decoded (``cover``'s price of a replay): a replay has a fixed
+cost however few its windows, worth this many tokens of windows in a large bucket, fitted to the replay times
+of every bucket at two window lengths (`python benchmarks/wav_decode.py --buckets 16 40`; docs/perf/stream.md)."""
+
+
+@functools.cache
+def cover(batch: int, buckets: tuple[int, ...], replay_windows: int) -> tuple[int, ...]:
+    """The buckets, largest first, whose replays decode ``batch`` windows at the least cost: the windows they
+    decode (the zero windows that pad the last one included) plus ``replay_windows`` a replay; of equal costs,
+    the fewest replays. The smallest bucket that holds a batch decodes up to twice its windows (130 windows in
+    256: 126 of zeros), where 128 + 2 decode none; a batch past the largest bucket takes it as often as it
+    fills it."""
+    if batch < 1 or not buckets:
+        raise ValueError(f"cover needs a batch >= 1 and buckets, got {batch} and {buckets}")
+    cost = [(0, 0)] * (batch + 1)  # for n windows left: (least cost, its replays)
+    choice = [0] * (batch + 1)  # its first bucket
+    for n in range(1, batch + 1):
+        options = []
+        for b in buckets:
+            rest_cost, rest_replays = cost[max(n - b, 0)]
+            options.append(((rest_cost + b + replay_windows, rest_replays + 1), b))
+        cost[n], choice[n] = min(options)
+    parts, n = [], batch
+    while n > 0:
+        parts.append(choice[n])
+        n -= choice[n]
+    return tuple(sorted(parts, reverse=True))
 
 
 def istft_center(spec: Tensor, n_fft: int, hop: int, window: Tensor, envelope: Tensor | None = None) -> Tensor:
@@ -88,30 +116,41 @@ class DecodeGraphs:
         """The batch buckets captured for windows of ``length`` tokens (none: eager)."""
         return BATCH_BUCKETS if length in self.lengths else SHORT_BUCKETS if length in self.short_lengths else ()
 
-    def bucket(self, batch: int, length: int) -> int | None:
-        """The bucket a batch of ``batch`` windows of ``length`` tokens replays in (the largest, slice by
-        slice, past it), or None (eager)."""
+    def plan(self, batch: int, length: int) -> tuple[int, ...]:
+        """The buckets a batch of ``batch`` windows of ``length`` tokens replays in, in order (``cover``: the
+        first windows in the first bucket, and so on); empty: eager."""
         buckets = self.buckets(length)
-        return next((b for b in buckets if b >= batch), buckets[-1]) if buckets else None
+        return cover(batch, buckets, -(-REPLAY_TOKENS // length)) if buckets else ()
 
     def run(self, x: Tensor, tf32: bool) -> Tensor | None:
-        """Windows [B, H, T] -> wav [B, S], or None if no graph takes windows of T tokens. A batch that fits a
-        bucket returns a view of the graph's output buffer, valid until the next replay of that graph (copy it
-        out before); a larger one runs in slices of the largest bucket, into a tensor of its own."""
+        """Windows [B, H, T] -> wav [B, S], or None if no graph takes windows of T tokens. A batch of one
+        replay returns a view of the graph's output buffer, valid until the next replay of that graph (copy it
+        out before); one of several replays, a tensor of its own."""
         b, _, t = x.shape
-        bucket = self.bucket(b, t)
-        if bucket is None:
+        parts = self.plan(b, t)
+        if not parts:
             return None
-        graph, inp, out, _ = self._graphs.get((t, bucket, tf32)) or self._capture(t, bucket, tf32)
-        if b <= bucket:
-            inp[:b].copy_(x)
-            inp[b:].zero_()
-            graph.replay()
-            return out[:b]
-        wav = torch.empty((b, out.shape[1]), dtype=out.dtype, device=out.device)
-        for i in range(0, b, bucket):  # each slice's wav copied out before the next replay (one stream: in order)
-            wav[i : i + bucket].copy_(self.run(x[i : i + bucket], tf32))
+        if len(parts) == 1:
+            return self._replay(x, parts[0], tf32)
+        wav = None
+        start = 0
+        for bucket in parts:  # each part's wav copied out before the next replay (one stream: in order)
+            part = self._replay(x[start : start + bucket], bucket, tf32)
+            if wav is None:
+                wav = torch.empty((b, part.shape[1]), dtype=part.dtype, device=part.device)
+            wav[start : start + part.shape[0]].copy_(part)
+            start += part.shape[0]
         return wav
+
+    def _replay(self, x: Tensor, bucket: int, tf32: bool) -> Tensor:
+        """Windows [n <= bucket, H, T] through the bucket's graph (zero windows after them): a view of its
+        output."""
+        n, _, t = x.shape
+        graph, inp, out, _ = self._graphs.get((t, bucket, tf32)) or self._capture(t, bucket, tf32)
+        inp[:n].copy_(x)
+        inp[n:].zero_()
+        graph.replay()
+        return out[:n]
 
     def capture(self, tf32: bool) -> None:
         """Capture every graph not captured yet (every length's buckets)."""
