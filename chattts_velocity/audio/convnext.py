@@ -27,9 +27,10 @@ from ..kernels.convnext import dwconv_norm, linear
 def fused_default(device: torch.device) -> bool:
     """Whether the fused stack is on by default on ``device``: only where the engine's step kernels do not run
     under programmatic dependent launch (``kernels._triton._launch.use_pdl``: Hopper and newer). A speech
-    server on an H100 with both hung its device: a stream window's decode on these kernels, on the decoder's
-    own stream, never finished beside the engine's early-launched kernels (the GPU busy, nothing served);
-    with either of the two off the same load was served (docs/perf/serve.md). Until that is understood the
+    server on an H100 or an H200 with both hung its device: a stream window's decode on these kernels, on the
+    decoder's own stream, never finished beside the engine's early-launched kernels (the GPU busy, nothing
+    served); with either of the two off the same load was served, and with the convolution fused but the GEMMs
+    on torch ops too (docs/perf/serve.md: the GEMM kernel's, cause not known). Until that is understood the
     decode keeps the modules' ops there, unless ``CHATTTS_VELOCITY_FUSED_DECODE=1`` asks for the kernels (for a
     decode with no engine step beside it, as ``chattts-velocity bench``'s after the last token, which ran so
     without a hang)."""
