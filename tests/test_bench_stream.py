@@ -54,6 +54,7 @@ def test_a_run_on_the_tiny_checkpoint_reports_each_level(tmp_path):
         assert row["ttfa_p50_ms"] <= row["ttfa_p95_ms"] <= row["ttfa_p99_ms"] and row["audio_s_per_s"] > 0
     assert "underruns" in report["definitions"] and "start delay p50 / p95 ms" in format_table(report)
     assert report["window_stops"] == [16, 24] and report["window_stop_budget_ms"] == 50.0  # what the engine ran with
+    assert report["window_budget_ms"] == 300.0
 
 
 @pytest.mark.parametrize(("argv", "repeats"), [([], 2), (["--repeats", "1"], 1), (["--repeats", "3"], 3)])

@@ -96,9 +96,10 @@ def run(engine, prompts, params):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_cuda_graphs_and_eager_give_identical_tokens(model, dtype):
     """Audio and refine (text) requests, with the decode windows' and the padded prefills' CUDA graphs and
-    without: the same tokens. Every window stop applies (``window_stop_budget_ms=None``): with the budget the
-    windows' ends follow the measured step time, which eager steps multiply, and where a sequence that finished
-    inside a window leaves the batch at another step the others' float16 GEMMs round differently."""
+    without: the same tokens. Every window stop applies and every window runs whole
+    (``window_stop_budget_ms=None``, ``window_budget_ms=None``): with the budgets the windows' ends follow the
+    measured step time, which eager steps multiply, and where a sequence that finished inside a window leaves
+    the batch at another step the others' float16 GEMMs round differently."""
     prompts = []
     for i in range(6):
         ids, mask = teacher_forcing_inputs(model, length=60 + 17 * i, seed=10 + i)
@@ -112,7 +113,8 @@ def test_cuda_graphs_and_eager_give_identical_tokens(model, dtype):
     outs = {}
     for eager in (False, True):
         engine = LLMEngine.from_model(model, EngineConfig(dtype=dtype, max_num_seqs=8, kv_cache_gib=1,
-                                                          enforce_eager=eager, window_stop_budget_ms=None), "cuda")
+                                                          enforce_eager=eager, window_stop_budget_ms=None,
+                                                          window_budget_ms=None), "cuda")
         runner = engine.runner
         assert (runner.decoder.graphs == {}) == eager == (runner.prefill.graphs == {})
         modes = []

@@ -399,6 +399,43 @@ def test_engine_config_checks_window_stops():
     for bad in (-1.0, "50", True):
         with pytest.raises(ValueError, match="window_stop_budget_ms must be a number >= 0 or None"):
             EngineConfig(window_stop_budget_ms=bad)
+    assert EngineConfig().window_budget_ms == 300.0 and EngineConfig(window_budget_ms=None).window_budget_ms is None
+    for bad in (0, -1.0, "150", True):
+        with pytest.raises(ValueError, match="window_budget_ms must be a number > 0 or None"):
+            EngineConfig(window_budget_ms=bad)
+
+
+def test_a_full_window_of_slow_steps_is_cut_to_the_window_budget():
+    """``window_budget_s``: a full window runs ``num_decode_steps`` while they fit the budget at the measured
+    ``step_s`` (a GPU's steps), fewer where steps are slow (a CPU's), never fewer than two; a later window stop
+    is then weighed against the shorter window."""
+    bm = BlockSpaceManager(4096, 4, 0.0)
+    sched = Scheduler(bm, 64, 4096, num_decode_steps=32, window_stops=(16, 24), window_stop_budget_ms=50.0,
+                      window_budget_ms=150.0)
+    seqs = [make_seq(5, request_id=f"r{i}", max_new=400) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    run_step(sched)  # the prompts
+    assert sched.full_window_steps() == 32  # nothing measured yet
+    assert run_step(sched).num_steps == 15  # the first stop, as without a budget
+    sched.step_s = 0.004  # 128 ms for 32 steps: within the budget
+    assert sched.full_window_steps() == 32 and sched.next_stop(seqs) == 8  # a later stop: 128 ms > 50 ms
+    sched.step_s = 0.025  # a slow step: 6 fit in 150 ms
+    assert sched.full_window_steps() == 6 and sched.window_steps(3) == 6
+    assert sched.next_stop(seqs) == 8  # 6 steps take 150 ms: the second chunk's stop still applies
+    assert run_step(sched).num_steps == 6  # the budget ends the window before the stop
+    assert sched.next_stop(seqs) == 2 and run_step(sched).num_steps == 2  # then the stop
+    assert sched.next_stop(seqs) is None and run_step(sched).num_steps == 6  # past the stops: a budget window
+    assert sched.continue_window(seqs, 6) == 6
+    sched.step_s = 0.008  # 32 steps would take 256 ms: 18 of them
+    assert sched.full_window_steps() == 18
+    sched.step_s = 0.005  # exactly 30 steps fit
+    assert sched.full_window_steps() == 30
+    sched.step_s = 0.2  # slower than the budget: two steps, still a window whose step time is measured
+    assert sched.full_window_steps() == 2 and run_step(sched).num_steps == 2
+    unbounded = Scheduler(bm, 64, 4096, num_decode_steps=32, window_budget_ms=None)
+    unbounded.step_s = 0.2
+    assert unbounded.full_window_steps() == 32
 
 
 def test_a_later_window_stop_applies_only_when_a_full_window_would_outlast_the_budget():

@@ -213,7 +213,8 @@ def run_stream_bench(cfg: StreamBenchConfig) -> dict:
     finally:
         chat.unload()
     return dict(config=asdict(cfg), device=device, window_stops=stops,
-                window_stop_budget_ms=engine_config.window_stop_budget_ms, definitions=DEFINITIONS, rows=rows)
+                window_stop_budget_ms=engine_config.window_stop_budget_ms,
+                window_budget_ms=engine_config.window_budget_ms, definitions=DEFINITIONS, rows=rows)
 
 
 def format_table(report: dict) -> str:
@@ -231,8 +232,9 @@ def run_and_report(cfg: StreamBenchConfig) -> dict:
     budget = report["window_stop_budget_ms"]
     later = "" if len(report["window_stops"]) < 2 else (
         " (every one)" if budget is None else f" (after the first while a full window takes over {budget:g} ms)")
+    windows = "" if report["window_budget_ms"] is None else f", full windows within {report['window_budget_ms']:g} ms"
     print(f"device: {report['device']}, {cfg.tokens} tokens per stream, median of {cfg.repeats} runs, window stops "
-          f"{report['window_stops']}{later}")
+          f"{report['window_stops']}{later}{windows}")
     print(format_table(report))
     for r in report["rows"]:
         if r["stalls_at_chunk"]:

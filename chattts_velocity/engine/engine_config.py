@@ -48,6 +48,13 @@ class EngineConfig:
     between them); 1 schedules every step. No window runs past every sequence's length limit, but a sequence
     that ends by EOS may compute up to this many unused steps, and a new request waits for the running window
     (two with ``pipeline_decode``)."""
+    window_budget_ms: float | None = 300.0
+    """Longest a full decode window should run, at the step time of the latest decode window: fewer than
+    ``num_decode_steps`` steps where steps are slow (the CPU's), never fewer than two. A stream's audio comes
+    at window ends, so a window is the gap its listener must ride out (``audio.deadlines``): with windows of
+    many slow steps, streamed audio came in bursts and a stream's first audio was held until it outlasted one
+    (docs/perf/cpu.md); a request that arrives also waits for the running window. A GPU's full windows mostly
+    fit. None: always ``num_decode_steps``."""
     max_window_tokens: int | None = None
     """Most tokens one decode window computes (steps x sequences) while requests arrive (one waits, or came
     since the last window was scheduled): a larger batch runs shorter windows, never fewer than
@@ -63,15 +70,15 @@ class EngineConfig:
     a full window when a full window would outlast the first chunk's audio (``window_stop_budget_ms``).
     Increasing ints >= 1; () disables."""
     window_stop_budget_ms: float | None = 50.0
-    """A stop after the first applies only while a full decode window (``num_decode_steps`` at the step time
-    of the latest decode window) would take longer than this: then a young stream's next chunk would come
-    after its first chunk has played (8 tokens are 171 ms of audio), so the window ends at the stop. Below it
-    the window runs whole, sparing a window end (a report and an audio round) per young stream, which under a
-    steady flow of arrivals costs throughput (docs/perf/stream.md). The windows' ends then follow the measured
-    step time, so two runs of one workload near the budget can end a window at different steps; a sequence that
-    finishes inside it then leaves the batch at another step, and on CUDA in float16, whose GEMMs round by the
-    batch's row count, the others' later tokens can differ. None: every stop always applies, and the schedule
-    depends on the workload alone."""
+    """A stop after the first applies only while a full decode window (``num_decode_steps``, or fewer within
+    ``window_budget_ms``, at the step time of the latest decode window) would take longer than this: then a young
+    stream's next chunk would come after its first chunk has played (8 tokens are 171 ms of audio), so the window
+    ends at the stop. Below it the window runs whole, sparing a window end (a report and an audio round) per young
+    stream, which under a steady flow of arrivals costs throughput (docs/perf/stream.md). The windows' ends then
+    follow the measured step time, so two runs of one workload near the budget can end a window at different steps;
+    a sequence that finishes inside it then leaves the batch at another step, and on CUDA in float16, whose GEMMs
+    round by the batch's row count, the others' later tokens can differ. None: every stop always applies, and the
+    schedule depends on the workload alone."""
     prefill_first: bool | None = None
     """A step that has prompts to compute (waiting requests, a long prompt's next chunk) computes prompts only,
     and the running sequences decode in the next step (a window). Mixed into one step, a few new prompts beside
@@ -112,6 +119,9 @@ class EngineConfig:
         budget = self.window_stop_budget_ms
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
             raise ValueError(f"window_stop_budget_ms must be a number >= 0 or None, got {budget!r}")
+        budget = self.window_budget_ms
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+            raise ValueError(f"window_budget_ms must be a number > 0 or None, got {budget!r}")
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_gib is not None and not (isinstance(self.kv_cache_gib, (int, float)) and self.kv_cache_gib > 0):

@@ -76,7 +76,8 @@ class LLMEngine:
         seqs, tokens = self.runner.prefill_limits() if prefill_first else (None, None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_decode_steps, config.window_stops, config.max_window_tokens,
-                                   prefill_first, seqs, tokens, config.window_stop_budget_ms)
+                                   prefill_first, seqs, tokens, config.window_stop_budget_ms,
+                                   config.window_budget_ms)
         self._collected_at = 0.0
         """``time.perf_counter()`` when the latest step's tokens were read (``_time_steps``)."""
         self.requests: dict[str, Sequence] = {}

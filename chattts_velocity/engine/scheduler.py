@@ -63,7 +63,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockSpaceManager, max_num_seqs: int, max_num_batched_tokens: int,
                  num_decode_steps: int = 1, window_stops: tuple[int, ...] = (), max_window_tokens: int | None = None,
                  prefill_first: bool = False, max_prefill_seqs: int | None = None,
-                 max_prefill_tokens: int | None = None, window_stop_budget_ms: float | None = None):
+                 max_prefill_tokens: int | None = None, window_stop_budget_ms: float | None = None,
+                 window_budget_ms: float | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -72,7 +73,10 @@ class Scheduler:
         """``EngineConfig.window_stops``: where the youngest audio sequence's window ends (``next_stop``)."""
         self.window_stop_budget_s = None if window_stop_budget_ms is None else window_stop_budget_ms / 1e3
         """``EngineConfig.window_stop_budget_ms`` in seconds: a stop after the first applies only while
-        ``num_decode_steps`` steps of ``step_s`` would take longer. None: every stop applies."""
+        a full window (``full_window_steps`` steps of ``step_s``) would take longer. None: every stop applies."""
+        self.window_budget_s = None if window_budget_ms is None else window_budget_ms / 1e3
+        """``EngineConfig.window_budget_ms`` in seconds: a full window runs at most this long at ``step_s``
+        (``full_window_steps``). None: ``num_decode_steps``."""
         self.step_s = 0.0
         """Seconds per step of the latest decode window (``LLMEngine`` measures it)."""
         self.max_window_tokens = max_window_tokens
@@ -111,7 +115,7 @@ class Scheduler:
         for i, stop in enumerate(self.window_stops):
             if stop > n:
                 budget = self.window_stop_budget_s
-                if i and budget is not None and self.num_decode_steps * self.step_s <= budget:
+                if i and budget is not None and self.full_window_steps() * self.step_s <= budget:
                     return None  # a full window still ends before the first chunk has played
                 return stop - n
         return None
@@ -156,13 +160,22 @@ class Scheduler:
         text = scheduled[0].seq.text_mode
         return all(_is_decode(item) and item.seq.text_mode == text for item in scheduled)
 
+    def full_window_steps(self) -> int:
+        """Steps of a full decode window: ``num_decode_steps``, fewer where that many steps of ``step_s`` would
+        outlast ``window_budget_s``, but never fewer than two: a single step is no window, and without windows
+        ``step_s`` would not be measured again when the steps get faster."""
+        k = self.num_decode_steps
+        if self.window_budget_s is not None and self.step_s > 0:
+            k = min(k, max(2, int(self.window_budget_s / self.step_s + 1e-9)))  # (1e-9: 0.15 / 0.025 is 5.999...)
+        return k
+
     def window_steps(self, batch: int) -> int:
-        """Steps of a full decode window of ``batch`` sequences: ``num_decode_steps``, fewer where
+        """Steps of a full decode window of ``batch`` sequences: ``full_window_steps``, fewer where
         ``max_window_tokens`` caps steps x batch (never fewer than ``MIN_CAPPED_STEPS``) while requests come
         in: one waits, or one was added since the last window was sized. A window that no arrival waits for
         runs whole: each window's end costs a server its report and audio round, so a large batch's capped
         windows deliver less audio (docs/perf/serve.md)."""
-        k = self.num_decode_steps
+        k = self.full_window_steps()
         if self.max_window_tokens is not None and (self.waiting or self._num_added != self._sized_at):
             k = min(k, max(MIN_CAPPED_STEPS, self.max_window_tokens // batch))
         return k
