@@ -116,6 +116,7 @@ class Chat(UpstreamAttributes):
              max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
              engine_dtype: str = "float32", max_window_tokens: int | None = None,
              open_window_max_seqs: int = 16, window_stops: tuple[int, ...] = EngineConfig.window_stops,
+             window_budget_ms: float | None = EngineConfig.window_budget_ms,
              stream_config: StreamConfig | None = None) -> bool:
         """Load ChatTTS from ``source`` ("huggingface", "local" or "custom"; see ``resolve_model_dir``), or random
         full-size weights with ``load_format="dummy"``, and start the velocity engine over it.
@@ -126,7 +127,8 @@ class Chat(UpstreamAttributes):
         are prefilled in chunks); ``enable_prefix_caching``; ``engine_dtype`` of the Llama core;
         ``max_window_tokens`` caps a decode window's steps x sequences (shorter waits for arriving requests);
         a window of at most ``open_window_max_seqs`` sequences ends early for a request that arrives (0: never);
-        ``window_stops`` where a young stream's decode windows end (its first chunks);
+        ``window_stops`` where a young stream's decode windows end (its first chunks); ``window_budget_ms`` the
+        longest a full window runs at the latest step time (None: every window ``num_decode_steps`` steps);
         ``stream_config`` the streaming decode's chunking and context (``StreamConfig``).
         ``compile``, ``use_flash_attn``, ``use_vllm``, ``experimental`` and ``enable_cache`` are accepted for
         compatibility and change nothing.
@@ -142,7 +144,7 @@ class Chat(UpstreamAttributes):
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, dtype=engine_dtype, max_window_tokens=max_window_tokens,
-            open_window_max_seqs=open_window_max_seqs, window_stops=window_stops,
+            open_window_max_seqs=open_window_max_seqs, window_stops=window_stops, window_budget_ms=window_budget_ms,
         )
         device = resolve_device(device)
         loader = ModelLoader(device, load_format)

@@ -197,6 +197,10 @@ def _add_serve_parser(sub) -> None:
                         "chunks do not wait for a full window (default: 16,24, its first audio and its second "
                         "chunk, the second only while a full window would take over 50 ms; 16: the first only; "
                         "none: no stops)")
+    s.add_argument("--window-budget-ms", type=float, default=None, metavar="MS",
+                   help="engine: the longest a full decode window runs at the latest step time, so streamed audio "
+                        "does not come in long bursts where steps are slow (the CPU's) (default: 300; 0: none, "
+                        "every window its full steps)")
     s.add_argument("--log-level", default=ServeSettings.log_level, choices=LOG_LEVELS,
                    help="server log level (default: %(default)s)")
     r = s.add_argument_group("replicas (Ray Serve: pip install -e \".[scale]\" from a clone, or "

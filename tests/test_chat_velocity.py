@@ -97,12 +97,13 @@ def test_engine_settings_on_load(upstream_ckpt):
     chat = Chat()
     chat.load(source="custom", custom_path=upstream_ckpt, device="cpu", block_size=8, num_kv_blocks=40,
               max_num_seqs=2, max_num_batched_tokens=32, enable_prefix_caching=False, open_window_max_seqs=0,
-              window_stops=(16, 24))
+              window_stops=(16, 24), window_budget_ms=None)
     engine = chat.engine.engine
     assert engine.block_manager.num_blocks == 40 and engine.block_manager.block_size == 8
     assert engine.config.open_window_max_seqs == 0 and engine.arrivals is not None  # (set by the async engine)
     assert engine.scheduler.max_num_seqs == 2 and engine.scheduler.max_num_batched_tokens == 32
     assert engine.config.window_stops == engine.scheduler.window_stops == (16, 24)
+    assert engine.config.window_budget_ms is None and engine.scheduler.window_budget_s is None  # (default: 300 ms)
     assert not engine.block_manager.enable_prefix_caching
     wavs = chat.infer(list(TEXTS), skip_refine_text=True, split_text=False,
                       params_infer_code=Chat.InferCodeParams(manual_seed=0, max_new_token=20, show_tqdm=False))

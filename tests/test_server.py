@@ -404,6 +404,12 @@ def test_serve_options_map_onto_one_settings_object():
     for bad in ("24,16", "16,x", "0"):  # said before the model loads
         with pytest.raises(ValueError, match="window_stops must be"):
             cli("--window-stops", bad)
+    assert "window_budget_ms" not in cli().load  # the engine's default
+    assert cli("--window-budget-ms", "500").load["window_budget_ms"] == 500.0
+    assert cli("--window-budget-ms", "0").load["window_budget_ms"] is None  # 0: no budget
+    assert cli("--window-budget-ms", "500") == ServeSettings.from_options(parse_options({"window_budget_ms": "500"}))
+    with pytest.raises(ValueError, match="window_budget_ms must be a number > 0 or None"):
+        cli("--window-budget-ms", "-5")
     assert cli("--dummy", "--max-concurrent", "2") == ServeSettings.from_options(
         parse_options({"dummy": "true", "max_concurrent": 2}))
     with pytest.raises(ValueError, match="replica runs its engine in a process of its own already"):

@@ -39,7 +39,7 @@ OPTIONS: dict[str, type] = {
     "header_timeout": float, "body_timeout": float, "max_connections": int, "engine_timeout": float,
     # the engine
     "max_num_seqs": int, "kv_cache_gib": float, "engine_dtype": str, "max_window_tokens": int,
-    "open_window_max_seqs": int, "window_stops": str,
+    "open_window_max_seqs": int, "window_stops": str, "window_budget_ms": float,
     # the topology
     "engine_process": bool, "fronts": int, "replicas": int, "min_replicas": int, "max_replicas": int,
     "gpus_per_replica": float, "ray_address": str, "ingress": str,
@@ -258,6 +258,9 @@ class ServeSettings:
                     kv_cache_gib=o["kv_cache_gib"], engine_dtype=o["engine_dtype"], max_window_tokens=window or None,
                     **_given(open_window_max_seqs=o["open_window_max_seqs"],
                              window_stops=parse_window_stops(o["window_stops"])))
+        if o["window_budget_ms"] is not None:  # 0: no budget
+            load["window_budget_ms"] = o["window_budget_ms"] or None
+            EngineConfig(window_budget_ms=load["window_budget_ms"])  # > 0: said now, not once the model has loaded
         return cls(load, server, threads=o["threads"], scale=_scale(o, replicas), **_given(
             host=o["host"], port=o["port"], log_level=o["log_level"], engine_process=o["engine_process"],
             fronts=o["fronts"]))
