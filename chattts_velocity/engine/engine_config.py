@@ -116,12 +116,8 @@ class EngineConfig:
         if (not isinstance(stops, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
                                                     for n in stops) or list(stops) != sorted(set(stops))):
             raise ValueError(f"window_stops must be a tuple of increasing ints >= 1, got {stops!r}")
-        budget = self.window_stop_budget_ms
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
-            raise ValueError(f"window_stop_budget_ms must be a number >= 0 or None, got {budget!r}")
-        budget = self.window_budget_ms
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
-            raise ValueError(f"window_budget_ms must be a number > 0 or None, got {budget!r}")
+        _budget("window_stop_budget_ms", self.window_stop_budget_ms, zero_ok=True)
+        _budget("window_budget_ms", self.window_budget_ms, zero_ok=False)
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_gib is not None and not (isinstance(self.kv_cache_gib, (int, float)) and self.kv_cache_gib > 0):
@@ -146,6 +142,14 @@ class EngineConfig:
             raise ValueError(f"engine dtype {self.dtype!r} runs on the CPU only; on {device} use float16, bfloat16 "
                              "or float32")
         return self.torch_dtype, None
+
+
+def _budget(name: str, value, zero_ok: bool) -> None:
+    """A time budget in ms: a number > 0 (>= 0 with ``zero_ok``), or None."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{name} must be a number {'>=' if zero_ok else '>'} 0 or None, got {value!r}")
 
 
 def _positive(name: str, value) -> None:
