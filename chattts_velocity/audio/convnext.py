@@ -26,14 +26,15 @@ from ..kernels.convnext import dwconv_norm, linear
 
 def fused_default(device: torch.device) -> bool:
     """Whether the fused stack is on by default on ``device``: only where the engine's step kernels do not run
-    under programmatic dependent launch (``kernels._triton._launch.use_pdl``: Hopper and newer). A speech
-    server on an H100 or an H200 with both hung its device: a stream window's decode on these kernels, on the
-    decoder's own stream, never finished beside the engine's early-launched kernels (the GPU busy, nothing
-    served); with either of the two off the same load was served, and with the convolution fused but the GEMMs
-    on torch ops too (docs/perf/serve.md: the GEMM kernel's, cause not known). Until that is understood the
-    decode keeps the modules' ops there, unless ``CHATTTS_VELOCITY_FUSED_DECODE=1`` asks for the kernels (for a
-    decode with no engine step beside it, as ``chattts-velocity bench``'s after the last token, which ran so
-    without a hang)."""
+    under programmatic dependent launch (``kernels._triton._launch.use_pdl``: Hopper and newer). Speech servers
+    on an H100 and an H200 with both hung their device in most tries: a stream window's decode on these
+    kernels, on the decoder's own stream, never finished beside the engine's early-launched kernels (the GPU
+    busy, nothing served), and so did one with the convolution fused and the GEMMs on cuBLAS in float16; the
+    same load with either of the two off was served. One process running the engine's early-launched windows
+    beside the fused decode on two streams did not hang, so the server adds something not yet found
+    (docs/perf/serve.md). Until that is understood the decode keeps the modules' ops there, unless
+    ``CHATTTS_VELOCITY_FUSED_DECODE=1`` asks for the kernels (for a decode with no engine step beside it, as
+    ``chattts-velocity bench``'s after the last token, which ran so without a hang)."""
     setting = os.environ.get("CHATTTS_VELOCITY_FUSED_DECODE", "")
     if setting in ("0", "1"):
         return setting == "1"
