@@ -6,7 +6,7 @@ to ``--batch`` sequences and decoded ``--chunk`` at a time. Per mode: millisecon
 backbone, the head (linear, exp, iSTFT) and the copy to the host; the whole decode; and the SNR of every wav
 against strict float32 (min and median over the 32 distinct sequences). Medians of ``--repeats`` runs, CUDA
 events. Modes: ``tf32`` is TF32 with the ConvNeXt blocks on the fused kernels of ``audio.convnext`` (float16
-activations; forced on: by default a Hopper GPU runs ``tf32-torch``, see ``convnext.fused_default``),
+activations; the default, see ``convnext.fused_default``),
 ``tf32-torch`` the same with the modules' torch ops,
 ``fused-tf32`` / ``fused-bf16`` the fused kernels with float32 (TF32) or bfloat16 activations; the rest
 precision variants of the torch ops.

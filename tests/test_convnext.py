@@ -214,20 +214,13 @@ def test_the_cpu_and_strict_float32_keep_upstreams_ops(monkeypatch) -> None:
             m.fp32_precision = saved
 
 
-@pytest.mark.parametrize("setting, early_launch, expected", [
-    (None, False, True), (None, True, False),  # by default: off beside early-launched engine kernels
-    ("1", True, True), ("1", False, True), ("0", False, False), ("0", True, False), ("", True, False),
-])
-def test_the_fused_decode_by_default_only_where_the_engine_does_not_launch_early(
-        monkeypatch, setting: str | None, early_launch: bool, expected: bool) -> None:
+@pytest.mark.parametrize("setting, expected", [(None, True), ("1", True), ("", True), ("0", False)])
+def test_the_fused_decode_is_on_unless_turned_off(monkeypatch, setting: str | None, expected: bool) -> None:
     if setting is None:
         monkeypatch.delenv("CHATTTS_VELOCITY_FUSED_DECODE", raising=False)
     else:
         monkeypatch.setenv("CHATTTS_VELOCITY_FUSED_DECODE", setting)
-    asked = []
-    monkeypatch.setattr(convnext, "use_pdl", lambda device: asked.append(device) or early_launch)
-    assert convnext.fused_default(torch.device("cuda", 0)) is expected
-    assert asked == ([] if setting in ("0", "1") else [torch.device("cuda", 0)])
+    assert convnext.fused_default() is expected
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -297,23 +290,3 @@ def test_gpu_fused_stacks_match_the_modules_at_the_real_sizes(monkeypatch) -> No
         assert err_fused < max(4 * err_torch, 1e-3), f"{name}: fused {err_fused:.2e}, torch TF32 {err_torch:.2e}"
         snr = 10 * np.log10(float((e.double() ** 2).sum() / ((f.double() - e.double()) ** 2).sum()))
         assert snr > 50, f"{name}: SNR {snr:.1f} dB against strict float32"
-
-
-@pytest.mark.parametrize("setting, early_launch, warned", [
-    ("1", True, True), ("1", False, False), (None, True, False), ("0", True, False),
-])
-def test_a_server_asked_for_the_fused_decode_beside_early_launches_warns(
-        monkeypatch, caplog, setting: str | None, early_launch: bool, warned: bool) -> None:
-    from chattts_velocity.serving import load
-
-    if setting is None:
-        monkeypatch.delenv("CHATTTS_VELOCITY_FUSED_DECODE", raising=False)
-    else:
-        monkeypatch.setenv("CHATTTS_VELOCITY_FUSED_DECODE", setting)
-    monkeypatch.setattr(convnext, "use_pdl", lambda device: early_launch)
-    monkeypatch.setattr(load, "use_pdl", lambda device: early_launch)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a test GPU")
-    with caplog.at_level("WARNING", logger=load.__name__):
-        assert load.warn_fused_decode(torch.device("cuda", 0)) is warned
-        assert not load.warn_fused_decode(torch.device("cpu"))  # no GPU, no early launches
-    assert any("hung its GPU" in r.getMessage() for r in caplog.records) is warned

@@ -108,6 +108,9 @@ def test_window_decode_graphs_equal_the_eager_decode(cuda_pair):
                     assert np.abs(graphed - eager).max() <= 1e-5 * scale, (tf32, batch, length)
         assert {(t, b) for t, b, _ in audio.graphs._graphs} == {(16, 1), (48, 4), (16, 64), (48, 128), (48, 2),
                                                                   (20, 8), (7, 8), (7, 4)}
+        # captured apart from the engine's graphs (torch's default capture stream): two graphs captured on one
+        # stream share cuBLAS's workspace, and replayed at once on two streams they hung the device
+        assert audio.graphs.capture_stream != torch.cuda.graph.default_capture_stream
         assert len(audio.graphs._graphs) == 16  # each in TF32 and in float32
     finally:
         audio.graphs = saved

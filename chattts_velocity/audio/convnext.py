@@ -1,9 +1,8 @@
 """The ConvNeXt stacks of the wav decode (ChatTTS's Decoder/DVAE conv stack, Vocos's backbone) on the fused
 channels-last kernels of ``kernels.convnext``, where they apply: float32 activations on CUDA while TF32 is on
-(the wav decode's default, ``AudioDecoder(tf32=True)``), no autograd, and on a device whose engine kernels do
-not launch early (``fused_default``). Elsewhere (the CPU, strict float32 as the reference path runs, training)
-the modules' own torch ops run. ``CHATTTS_VELOCITY_FUSED_DECODE=1`` or ``0`` turns the fused path on or off
-wherever the rest applies.
+(the wav decode's default, ``AudioDecoder(tf32=True)``) and no autograd. Elsewhere (the CPU, strict float32 as
+the reference path runs, training) the modules' own torch ops run. ``CHATTTS_VELOCITY_FUSED_DECODE=0`` keeps the
+modules' ops on CUDA too (``fused_default``).
 
 Same maths as upstream's block, with the residual stream and every sum in float32 but the block's normed
 input and its 4x-wide hidden activations stored in float16 and multiplied on float16 tensor cores (float16 has
@@ -20,31 +19,21 @@ import threading
 import torch
 from torch import Tensor, nn
 
-from ..kernels._triton._launch import use_pdl
 from ..kernels.convnext import dwconv_norm, linear
 
 
-def fused_default(device: torch.device) -> bool:
-    """Whether the fused stack is on by default on ``device``: only where the engine's step kernels do not run
-    under programmatic dependent launch (``kernels._triton._launch.use_pdl``: Hopper and newer). Speech servers
-    on an H100 and an H200 with both hung their device in most tries: a stream window's decode on these
-    kernels, on the decoder's own stream, never finished beside the engine's early-launched kernels (the GPU
-    busy, nothing served), and so did one with the convolution fused and the GEMMs on cuBLAS in float16; the
-    same load with either of the two off was served. One process running the engine's early-launched windows
-    beside the fused decode on two streams did not hang, so the server adds something not yet found
-    (docs/perf/serve.md). Until that is understood the decode keeps the modules' ops there, unless
-    ``CHATTTS_VELOCITY_FUSED_DECODE=1`` asks for the kernels (for a decode with no engine step beside it, as
-    ``chattts-velocity bench``'s after the last token, which ran so without a hang)."""
-    setting = os.environ.get("CHATTTS_VELOCITY_FUSED_DECODE", "")
-    if setting in ("0", "1"):
-        return setting == "1"
-    return not use_pdl(device)
+def fused_default() -> bool:
+    """Whether the fused stack is on where it applies: yes, unless ``CHATTTS_VELOCITY_FUSED_DECODE=0``
+    (``1`` or unset: on). A server once hung its GPU with it beside the engine's windows; the cause was the
+    cuBLAS workspace that the decode's CUDA graphs shared with the engine's, not these kernels
+    (``audio.graphs.DecodeGraphs.capture_stream``; docs/perf/serve.md)."""
+    return os.environ.get("CHATTTS_VELOCITY_FUSED_DECODE", "") != "0"
 
 
 def fused_applies(x: Tensor) -> bool:
     """Whether the fused channels-last stack runs for activations ``x`` (see the module's docstring)."""
     return (x.is_cuda and x.dtype == torch.float32 and not torch.is_grad_enabled()
-            and torch.backends.cuda.matmul.fp32_precision == "tf32" and fused_default(x.device))
+            and torch.backends.cuda.matmul.fp32_precision == "tf32" and fused_default())
 
 
 _COPYING = threading.Lock()

@@ -111,6 +111,13 @@ class DecodeGraphs:
         """(length, bucket, tf32) -> the graph, its input and output buffers, and the envelope it reads (held
         here: a graph reads its tensors' memory, which must outlive it)."""
         self._pool = None
+        self.capture_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        """The stream these graphs are captured on, not torch's default capture stream, which captures the
+        engine's: a GEMM captured into a graph keeps the cuBLAS workspace of the (thread, stream) it was
+        captured on, so graphs captured on one stream share one workspace, and replayed at once on two streams
+        (the engine's window on its stream, a decode on the decoder's) a split-K GEMM of each overwrote the
+        other's partial sums and flags: a GPU that never finished either. torch draws streams from pools by
+        priority, so a high-priority one is never the default capture stream (priority 0)."""
 
     def buckets(self, length: int) -> tuple[int, ...]:
         """The batch buckets captured for windows of ``length`` tokens (none: eager)."""
@@ -163,14 +170,14 @@ class DecodeGraphs:
         inp = torch.zeros(bucket, self.width, t, device=self.device)
         window = self.vocos.head.istft.window
         envelope = window_envelope(window, 2 * t, self.vocos.head.istft.hop_length)
-        side = torch.cuda.Stream(self.device)
+        side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm up (cuDNN, cuFFT plans) off the capturing stream, as torch advises
+        with torch.cuda.stream(side):  # warm up (cuDNN, cuFFT plans) before the capture, as torch advises
             decode_wav(self.decoder, self.vocos, inp, envelope)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread-local: other threads (the engine's reports, pinned copies) may use CUDA during the capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             out = decode_wav(self.decoder, self.vocos, inp, envelope)
         self._pool = graph.pool()
         self._graphs[t, bucket, tf32] = graph, inp, out, envelope

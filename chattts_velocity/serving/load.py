@@ -11,11 +11,9 @@ import time
 
 import torch
 
-from ..audio.convnext import fused_default
 from ..chat import Chat
 from ..device import default_engine_dtype, resolve_device
 from ..gc_freeze import freeze_long_lived
-from ..kernels._triton._launch import use_pdl
 from ..params import InferCodeParams
 
 logger = logging.getLogger(__name__)
@@ -30,7 +28,6 @@ def load_chat(load: dict, warmup: bool | None = None, audio_round_ms: float | No
     if threads is not None:
         torch.set_num_threads(threads)
     device = resolve_device(load.get("device"))
-    warn_fused_decode(device)
     chat = Chat()
     chat.load(**{**load, "device": device, "engine_dtype": load.get("engine_dtype") or default_engine_dtype(device)})
     if warmup if warmup is not None else device.type == "cuda":
@@ -44,17 +41,6 @@ def load_chat(load: dict, warmup: bool | None = None, audio_round_ms: float | No
     elif audio_thread:
         logger.info("audio decode rounds on a thread of their own")
     return chat
-
-
-def warn_fused_decode(device: torch.device) -> bool:
-    """Warn (and say True) where ``CHATTTS_VELOCITY_FUSED_DECODE=1`` asks for the fused wav decode on a GPU whose
-    engine kernels launch early: a server with both hung its GPU under load (``audio.convnext.fused_default``)."""
-    if device.type != "cuda" or not (fused_default(device) and use_pdl(device)):
-        return False
-    logger.warning("CHATTTS_VELOCITY_FUSED_DECODE=1 on %s, where the engine's kernels launch early: a server with "
-                   "both hung its GPU under load (docs/perf/serve.md); unset it, or set CHATTTS_VELOCITY_PDL=0, "
-                   "to serve", torch.cuda.get_device_name(device))
-    return True
 
 
 def warm_up(chat: Chat, streams: tuple[int, ...] = (1, 8, 37), tokens: int = 64) -> None:
