@@ -9,6 +9,7 @@ import logging
 import random
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -390,6 +391,9 @@ def stall_steps(engine, monkeypatch) -> threading.Event:
 def test_health_check_reports_a_stalled_step_a_dead_thread_and_shutdown(chat, make_async, monkeypatch, caplog):
     engine = make_async()
     engine.check_health(stall_s=0.05)  # idle: healthy however long ago the last step was
+    # the CUDA streams' state in the log (stand-ins with a stream's ``query``): one hung, one done
+    engine.device_streams = {"the engine's": types.SimpleNamespace(query=lambda: False),
+                             "the wav decode's": types.SimpleNamespace(query=lambda: True)}
     release = stall_steps(engine, monkeypatch)
     stream = engine.add_request(code_prompt(chat, "stall"), seeded(0, 8, min_new=8))
     threading.Event().wait(0.3)
@@ -400,6 +404,7 @@ def test_health_check_reports_a_stalled_step_a_dead_thread_and_shutdown(chat, ma
     stalls = [r.getMessage() for r in caplog.records if "without finishing a step" in r.getMessage()]
     assert len(stalls) == 1, stalls
     assert "in stalled_step" in stalls[0] and "release.wait(30)" in stalls[0], stalls[0]
+    assert stalls[0].endswith("\nthe engine's CUDA stream: still running work\nthe wav decode's CUDA stream: idle")
     engine.check_health(stall_s=30)
     release.set()
     assert collect(stream)[0].finish_reason is FinishReason.LENGTH

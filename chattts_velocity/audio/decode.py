@@ -66,6 +66,11 @@ class AudioDecoder:
             with torch.inference_mode(), self._precision(self.tf32), self.stream():
                 self.graphs.capture(self.tf32)
 
+    @property
+    def cuda_stream(self) -> torch.cuda.Stream | None:
+        """The decoder's own CUDA stream (``stream``); None off CUDA."""
+        return self._side
+
     def stream(self) -> contextlib.AbstractContextManager:
         """Run the decodes of this block on the decoder's own high-priority CUDA stream (a no-op on the CPU).
         On the engine's stream a decode's few hundred kernels queue behind, and interleave with, the decode

@@ -84,6 +84,10 @@ class AsyncLLMEngine:
         self._stall_logged: float | None = None  # ``_beat`` of the last stall logged (one log line a stall)
         self.watch_s, self.watch_stall_s = WATCH_S, STALL_S
         """The watcher's period and the stall it logs (``WATCH_S``, ``STALL_S``)."""
+        self.device_streams: dict[str, object] = {}
+        """CUDA streams a stall's log says are idle or still running work, by what runs on them (the engine's
+        own, from its thread's start; the wav decode's, from ``Pipeline``): one still running while the engine
+        thread waits is work the device itself never finished."""
         self._abort_asked: dict[str, float] = {}  # request id -> when its abort was asked
         self._abort_wait = Timings()
         self._loop_time = Timings()
@@ -211,8 +215,10 @@ class AsyncLLMEngine:
             self._stall_logged = beat
         frame = sys._current_frames().get(thread.ident) if thread is not None else None
         where = "".join(traceback.format_stack(frame)) if frame is not None else "(its stack is not available)\n"
-        logger.error("the engine has had work for over %g s without finishing a step; its thread is at:\n%s",
-                     stall_s, where.rstrip())
+        streams = "".join(f"\n{name} CUDA stream: {'idle' if stream.query() else 'still running work'}"
+                          for name, stream in list(self.device_streams.items()))
+        logger.error("the engine has had work for over %g s without finishing a step; its thread is at:\n%s%s",
+                     stall_s, where.rstrip(), streams)
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Take no new requests; with ``drain`` finish the queued and running ones, else abort them. Waits up
@@ -254,6 +260,7 @@ class AsyncLLMEngine:
             return
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.default_stream(device))  # the cache and buffers built at construction
+        self.device_streams["the engine's"] = stream
         with torch.cuda.stream(stream):
             self._loop()
 
