@@ -68,7 +68,7 @@ class Pipeline:
         self.model = model
         self.audio = audio
         self.stream_config = stream_config
-        if getattr(audio, "cuda_stream", None) is not None:  # a stall's log says whether it still runs work
+        if audio.cuda_stream is not None:  # a stall's log says whether it still runs work
             engine.device_streams["the wav decode's"] = audio.cuda_stream
         audio.use_graphs(stream_config.window_lengths())  # CUDA only; each graph is captured at first use
         self.pump = AudioPump(audio, round_interval_s=AUDIO_ROUND_S)

@@ -1,8 +1,8 @@
 """The speech server on a GPU under the load that once hung one: ``--fronts 4``, one stream then 64 closed-loop
 streams of 500-token requests (the README's serving command without its 256 level). A stream window's decode
 and the engine's window, each a CUDA graph on its own stream, never finished while their graphs shared one
-cuBLAS workspace (docs/perf/serve.md; ``audio.graphs.DecodeGraphs.capture_stream``); the wav decode's fused
-kernels (the default) made it likelier, so the server runs with them and with the modules' torch ops.
+cuBLAS workspace (docs/perf/serve.md; ``audio.graphs.DecodeGraphs.capture_stream``). The hang came mostly with
+the wav decode's fused kernels (the default), so the load runs with them and with the modules' torch ops.
 Run on the device machine: ``python -m pytest -m gpu tests/test_gpu_serve.py``."""
 
 from __future__ import annotations

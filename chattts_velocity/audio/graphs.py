@@ -114,10 +114,10 @@ class DecodeGraphs:
         self.capture_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         """The stream these graphs are captured on, not torch's default capture stream, which captures the
         engine's: a GEMM captured into a graph keeps the cuBLAS workspace of the (thread, stream) it was
-        captured on, so graphs captured on one stream share one workspace, and replayed at once on two streams
-        (the engine's window on its stream, a decode on the decoder's) a split-K GEMM of each overwrote the
-        other's partial sums and flags: a GPU that never finished either. torch draws streams from pools by
-        priority, so a high-priority one is never the default capture stream (priority 0)."""
+        captured on, so graphs captured on one stream share one workspace; replayed at once on two streams (the
+        engine's window on its stream, a decode on the decoder's), such graphs each started and never finished,
+        the GPU busy. torch draws streams from pools by priority, so a high-priority one is never the default
+        capture stream (priority 0)."""
 
     def buckets(self, length: int) -> tuple[int, ...]:
         """The batch buckets captured for windows of ``length`` tokens (none: eager)."""
