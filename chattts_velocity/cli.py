@@ -188,7 +188,8 @@ def _add_serve_parser(sub) -> None:
                         "speed)")
     s.add_argument("--max-window-tokens", type=int, default=SERVE_WINDOW_TOKENS,
                    help="engine: most tokens (steps x sequences) per multi-step decode window, so arriving "
-                        "requests wait less under load (default: %(default)s; 0: no cap)")
+                        "requests wait less under load; lifted while every running slot is taken and requests "
+                        "queue (default: %(default)s; 0: no cap)")
     s.add_argument("--open-window-max-seqs", type=int, default=None, metavar="N",
                    help="engine: a decode window of at most N sequences ends early when a request arrives, so "
                         "its prompt step waits a few steps, not the rest of the window (default: 16; 0: never)")

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from chattts_velocity.server.admission import Admission, QueueFullError, forget_front, shared_counts
+from chattts_velocity.server.admission import Admission, Backlog, QueueFullError, forget_front, shared_counts
 from chattts_velocity.server.metrics import Metrics
 
 
@@ -105,6 +105,39 @@ def test_two_fronts_admit_against_the_same_limits():
         await asyncio.wait_for(got.wait(), 1)
         await task
         assert (one.running, one.waiting) == (0, 0)
+
+    asyncio.run(main())
+
+
+def _backlog_in_a_child(backlog, answers) -> None:
+    answers.put(backlog())
+
+
+def test_the_engine_process_sees_a_full_servers_queue():
+    """``Backlog`` over the fronts' shared counts: true only while every running slot is taken and a request
+    waits, also in a process it was handed to at spawn (as the engine process gets it)."""
+    import multiprocessing as mp
+
+    counts = shared_counts(2)
+    backlog = Backlog(counts, 2)
+
+    async def main():
+        one, two = Admission(2, 4, counts, 0), Admission(2, 4, counts, 1)
+        first = one.admit()
+        assert not backlog() and not one.backlogged  # queued, a slot free: no backlog
+        assert await first.take_if_free()
+        assert await two.admit().take_if_free()
+        waiting = one.admit()
+        assert not await waiting.take_if_free()
+        assert backlog() and one.backlogged and two.backlogged  # both slots taken, one request waits
+        ctx = mp.get_context("spawn")
+        answers = ctx.Queue()
+        child = ctx.Process(target=_backlog_in_a_child, args=(backlog, answers))
+        child.start()
+        assert answers.get(timeout=60) is True
+        child.join(30)
+        waiting.cancel()
+        assert not backlog() and not one.backlogged
 
     asyncio.run(main())
 

@@ -237,6 +237,23 @@ def test_max_window_tokens_shortens_the_windows_of_large_batches():
     assert windows[3:] == [(41, 1), (41, 8), (41, 32)], windows  # its prompt beside one decode step each
 
 
+def test_a_backlog_outside_the_engine_lifts_the_window_cap():
+    """Requests queued for a server's running slots (``Scheduler.backlog``): the windows run whole though
+    requests arrive; once the queue is gone the cap is back."""
+    sched = Scheduler(BlockSpaceManager(16, 4, 0.0), 8, 64, num_decode_steps=32, max_window_tokens=100)
+    sched.add(make_seq(5, request_id="waits"))
+    queued = [True]
+    sched.backlog = lambda: queued[0]
+    assert [sched.window_steps(n) for n in (1, 4, 13, 1000)] == [32, 32, 32, 32]
+    queued[0] = False
+    assert [sched.window_steps(n) for n in (1, 4, 13, 1000)] == [32, 25, 8, 8]
+    sched.backlog = None
+    assert sched.window_steps(13) == 8
+    sched = Scheduler(BlockSpaceManager(16, 4, 0.0), 8, 64, num_decode_steps=32)
+    sched.backlog = lambda: True
+    assert sched.window_steps(13) == 32  # no cap, nothing to lift
+
+
 def test_continue_window_reserves_the_next_window_only_when_the_batch_cannot_change():
     """The scheduler owns the pipelined window's reservation too: the next window's blocks are taken past the
     running window's tokens, and nothing is reserved when a request waits, the running window is a short

@@ -17,7 +17,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -178,6 +178,11 @@ class AsyncLLMEngine:
             self._aborts.append(request_id)
             self._abort_asked.setdefault(request_id, time.monotonic())
             self._lock.notify()
+
+    def set_backlog(self, backlog: Callable[[], bool] | None) -> None:
+        """Tell the scheduler how to see requests waiting outside the engine for a running slot (a server's
+        admission queue): while one does, decode windows run whole (``Scheduler.backlog``). Any thread."""
+        self.engine.scheduler.backlog = backlog
 
     def stats(self) -> AsyncStats:
         with self._lock:

@@ -19,6 +19,7 @@ presence makes steps fail is found and failed alone. Pure Python: no torch."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockSpaceManager
@@ -80,6 +81,11 @@ class Scheduler:
         self.step_s = 0.0
         """Seconds per step of the latest decode window (``LLMEngine`` measures it)."""
         self.max_window_tokens = max_window_tokens
+        self.backlog: Callable[[], bool] | None = None
+        """Whether requests wait outside the engine for a running slot (a server's admission queue; set by
+        ``AsyncLLMEngine.set_backlog``): then the server is at its limit, an arriving request waits for a slot
+        rather than for a window, and windows run whole whatever ``max_window_tokens`` says (capped, a server
+        past its capacity delivered less and its queue grew: docs/perf/serve.md). None: no such queue."""
         self.prefill_first = prefill_first
         self.max_prefill_seqs = max_prefill_seqs
         self.max_prefill_tokens = max_prefill_tokens
@@ -172,11 +178,12 @@ class Scheduler:
     def window_steps(self, batch: int) -> int:
         """Steps of a full decode window of ``batch`` sequences: ``full_window_steps``, fewer where
         ``max_window_tokens`` caps steps x batch (never fewer than ``MIN_CAPPED_STEPS``) while requests come
-        in: one waits, or one was added since the last window was sized. A window that no arrival waits for
-        runs whole: each window's end costs a server its report and audio round, so a large batch's capped
-        windows deliver less audio (docs/perf/serve.md)."""
+        in: one waits, or one was added since the last window was sized, unless a ``backlog`` waits for running
+        slots. A window that no arrival waits for runs whole: each window's end costs a server its report and
+        audio round, so a large batch's capped windows deliver less audio (docs/perf/serve.md)."""
         k = self.full_window_steps()
-        if self.max_window_tokens is not None and (self.waiting or self._num_added != self._sized_at):
+        if (self.max_window_tokens is not None and (self.waiting or self._num_added != self._sized_at)
+                and not (self.backlog is not None and self.backlog())):
             k = min(k, max(MIN_CAPPED_STEPS, self.max_window_tokens // batch))
         return k
 

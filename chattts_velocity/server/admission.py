@@ -36,6 +36,25 @@ def forget_front(counts, index: int) -> None:
         counts[2 * index] = counts[2 * index + 1] = 0
 
 
+def backlogged(counts, max_concurrent: int) -> bool:
+    """Whether every running slot is taken and a request waits for one, over ``counts`` (``shared_counts``,
+    which any process that holds them may read, or an ``Admission``'s own list)."""
+    lock = counts.get_lock() if hasattr(counts, "get_lock") else contextlib.nullcontext()
+    with lock:
+        return sum(counts[0::2]) >= max_concurrent and sum(counts[1::2]) > 0
+
+
+class Backlog:
+    """``backlogged`` over ``shared_counts`` as a callable, for an engine process's scheduler
+    (``AsyncLLMEngine.set_backlog``); it crosses ``multiprocessing``'s spawn as a process argument."""
+
+    def __init__(self, counts, max_concurrent: int):
+        self.counts, self.max_concurrent = counts, max_concurrent
+
+    def __call__(self) -> bool:
+        return backlogged(self.counts, self.max_concurrent)
+
+
 class Admission:
     def __init__(self, max_concurrent: int, max_queue: int, shared=None, index: int = 0):
         """``shared``: ``shared_counts`` of several fronts, this being front ``index``; None: this process
@@ -52,6 +71,11 @@ class Admission:
         """Requests generating, over every front."""
         with self._lock:
             return sum(self._counts[0::2])
+
+    @property
+    def backlogged(self) -> bool:
+        """Every running slot taken, and a request waiting for one (over every front)."""
+        return backlogged(self._counts, self.max_concurrent)
 
     @property
     def waiting(self) -> int:

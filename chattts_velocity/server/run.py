@@ -34,7 +34,7 @@ from ..serving.engine_process.messages import FrontEnds
 from ..serving.engine_process.remote import RemoteClient
 from ..serving.load import load_chat
 from ..serving.local import LocalClient
-from .admission import Admission, forget_front, shared_counts
+from .admission import Admission, Backlog, forget_front, shared_counts
 from .app import build_app
 from .connections import uvicorn_protocol
 from .settings import DIRECT_INGRESS_ENV, HAPROXY_ENV, HAPROXY_RETRY_ENV, ServerConfig, ServeSettings
@@ -164,7 +164,9 @@ def serve_local(settings: ServeSettings) -> int:
                      audio_thread=config.audio_thread)
     client = LocalClient(chat, config.voices_dir, owns_chat=True)
     try:
-        app = build_app(client, config)
+        admission = _admission(config, None, 0)
+        chat.engine.set_backlog(lambda: admission.backlogged)  # a full server's windows run whole
+        app = build_app(client, config, admission)
         print(f"serving on http://{settings.host}:{settings.port} (OpenAI /v1/audio/speech)", flush=True)
         _server(app, config, settings.host, settings.port, settings.log_level).run()
     finally:
@@ -183,8 +185,11 @@ def serve_fronts(settings: ServeSettings) -> int:
     port = sock.getsockname()[1] if sock is not None else settings.port
     engine = EngineSettings(voices_dir=config.voices_dir, audio_round_ms=config.audio_round_ms,
                             audio_thread=config.audio_thread, threads=settings.threads, log_level=settings.log_level)
-    client = RemoteClient.start_engine(settings.load, engine, fronts=fronts, beat_timeout_s=config.engine_timeout_s)
-    counts = shared_counts(fronts) if fronts > 1 else None
+    # every front's admission counts in shared memory, where the engine process sees a full server's queue too
+    counts = shared_counts(fronts)
+    client = RemoteClient.start_engine(settings.load, engine, fronts=fronts,
+                                       backlog=Backlog(counts, config.max_concurrent),
+                                       beat_timeout_s=config.engine_timeout_s)
     ctx = mp.get_context("spawn")
     front_args = counts, config, host, port, settings.log_level
     others = [_start_front(ctx, ends, i, front_args) for i, ends in enumerate(client.peers, 1)]

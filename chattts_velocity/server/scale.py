@@ -37,7 +37,7 @@ from ray.serve.config import BackpressureConfig, DeploymentActorConfig, RequestR
 from ray.serve.exceptions import RayServeException
 
 from ..serving.engine_process.host import EngineSettings
-from .admission import shared_counts
+from .admission import Backlog, shared_counts
 from .app import build_app
 from .cluster import ReplicaBoard, ReplicaLink, VoiceStore
 from .replica_fronts import ReplicaClient, ReplicaFronts, ReplicaHeader, find_listener
@@ -76,9 +76,10 @@ class SpeechReplica:
         # with fronts, this process is one more front of its engine process: the one that serves until they
         # take over Serve's socket (and alone, if that fails)
         ends = fronts + 1 if fronts > 1 else 1
-        self.client = ReplicaClient.start_engine(load, engine, fronts=ends, link=link, replica=self.replica,
+        self.counts = shared_counts(ends)  # every front's admission, where the engine process sees it too
+        self.client = ReplicaClient.start_engine(load, engine, fronts=ends, backlog=Backlog(self.counts,
+                                                 server.max_concurrent), link=link, replica=self.replica,
                                                  front_count=ends, beat_timeout_s=server.engine_timeout_s)
-        self.counts = shared_counts(ends) if fronts > 1 else None
         self.fronts = None
         try:
             info = self.client.wait_ready()

@@ -26,7 +26,9 @@ SERVE_WINDOW_TOKENS = 2048
 """``serve``'s default ``EngineConfig.max_window_tokens``: while requests arrive, a cap on a decode window's
 tokens, so an arriving request waits less for the running window (open-loop first audio); a window no arrival
 waits for runs whole, as each window's end costs the engine its report and audio round (capped always, 256
-closed-loop streams delivered less audio: `chattts-velocity bench serve`; docs/perf/serve.md)."""
+closed-loop streams delivered less audio: `chattts-velocity bench serve`; docs/perf/serve.md), and so does one
+while every running slot is taken and requests queue (``admission.Backlog``: capped, a server past its capacity
+delivered less and its listeners stalled)."""
 
 OPTIONS: dict[str, type] = {
     # the model

@@ -16,6 +16,7 @@ import multiprocessing.connection as mp_connection
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -67,13 +68,18 @@ class EngineSettings:
     """The engine is unhealthy (its beats say so) once it has had work this long without finishing a step."""
 
 
-def engine_main(load: dict, settings: EngineSettings, ends: list[EngineEnds]) -> None:
-    """The engine process: ``load_chat(load)``, then serve the fronts at the other ends of ``ends``."""
+
+def engine_main(load: dict, settings: EngineSettings, ends: list[EngineEnds],
+                backlog: Callable[[], bool] | None = None) -> None:
+    """The engine process: ``load_chat(load)``, then serve the fronts at the other ends of ``ends``;
+    ``backlog``: as ``RemoteClient.start_engine``'s."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the fronts own the lifetime (a Ctrl-C reaches the group)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(levelname)s [engine process] %(name)s: %(message)s")
     chat = load_chat(load, settings.warmup, settings.audio_round_ms, settings.threads, settings.audio_thread)
+    if backlog is not None:
+        chat.engine.set_backlog(backlog)
     host = EngineHost(LocalClient(chat, settings.voices_dir, owns_chat=True, stall_s=settings.stall_s), ends)
     host.announce()
     host.start_beating()

@@ -92,15 +92,17 @@ class RemoteClient(EngineClient):
 
     @classmethod
     def start_engine(cls, load: dict, settings: EngineSettings | None = None, fronts: int = 1,
-                     **front) -> RemoteClient:
+                     backlog: Callable[[], bool] | None = None, **front) -> RemoteClient:
         """Spawn the engine process (``load_chat(load)``, served to ``fronts`` fronts); this handle is the
-        first front (``front``: the constructor's other keywords), ``peers`` the others' pipe ends. The process
-        inherits this one's environment (a Ray replica's ``CUDA_VISIBLE_DEVICES`` included)."""
+        first front (``front``: the constructor's other keywords), ``peers`` the others' pipe ends. ``backlog``:
+        a picklable callable saying whether the fronts' requests queue for running slots, for the engine's
+        scheduler (``AsyncLLMEngine.set_backlog``). The process inherits this one's environment (a Ray
+        replica's ``CUDA_VISIBLE_DEVICES`` included)."""
         settings = settings or EngineSettings()
         ctx = mp.get_context("spawn")  # not a fork of a process with threads (and torch)
         engine_ends, front_ends = open_pipes(fronts, ctx)
         process = ctx.Process(target=engine_main, name="chattts-velocity-engine", daemon=True,
-                              args=(load, settings, engine_ends))
+                              args=(load, settings, engine_ends, backlog))
         process.start()
         for ends in engine_ends:
             ends.close()
