@@ -619,8 +619,13 @@ def test_a_killed_replica_fails_only_its_streams_and_serve_replaces_it(server):
         assert started.acquire(timeout=60)
     assert len(serving) == 4 and None not in serving, results
     victim = serving[0]
-    engines = replica_engines()
-    assert len(engines) == 2 and len(set(engines.values())) == 2, engines  # an engine process under each replica
+    # an engine process under each replica (its fronts told apart once they listen: run alone, this test can
+    # come before they took over Serve's socket)
+    def one_under_each() -> dict[int, int] | None:
+        engines = replica_engines()
+        return engines if len(engines) == 2 and len(set(engines.values())) == 2 else None
+
+    engines = wait_for(one_under_each, 60, "an engine process under each replica")
     alive_before = set(engines)
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#SpeechServer#{victim}", namespace="serve"), no_restart=True)
     # the other replica keeps serving meanwhile. A request that HAProxy sends in the instant of the kill can get
