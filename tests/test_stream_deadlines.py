@@ -17,6 +17,7 @@ from test_engine import code_prompt, params
 from chattts_velocity.audio import AudioPump, AudioStream, StreamConfig, decode_windows
 from chattts_velocity.audio.deadlines import (
     BURST,
+    BURST_CHUNKS,
     BURST_FACTOR,
     PLAYBACK_GUARD_S,
     TOKEN_S,
@@ -125,6 +126,53 @@ def test_first_audio_is_safe_once_it_outlasts_the_gap_and_the_guard(starting):
     need = (BURST_FACTOR if starting >= BURST else 1.0) * gap + PLAYBACK_GUARD_S
     assert not safe_to_start(int(need / TOKEN_S), gap, starting)
     assert safe_to_start(int(need / TOKEN_S) + 1, gap, starting)
+
+
+@pytest.mark.parametrize("starting", [1, BURST - 1, BURST, 256])
+def test_first_audio_of_a_burst_holds_its_least_tokens_whatever_the_gap(starting):
+    assert safe_to_start(15, 0.0, starting, least_tokens=16) is (starting < BURST), "only a burst has a least"
+    assert safe_to_start(16, 0.0, starting, least_tokens=16)
+    assert not safe_to_start(16, 1.0, starting, least_tokens=16), "the least does not lift the gap's rule"
+
+
+def test_pace_knows_a_load_from_a_recent_round_of_at_least_half_its_feeds():
+    pace = Pace()
+    assert not pace.knows(1), "nothing measured yet"
+    pace.round_took(0.002, 8)
+    assert pace.knows(16) and not pace.knows(17)
+    pace.round_took(0.09, 256)
+    assert pace.knows(512) and pace.knows(1)
+
+
+def test_stream_config_head_tokens_are_its_first_chunks():
+    assert [CONFIG.head_tokens(n) for n in range(5)] == [0, 8, 16, 32, 56]
+    assert StreamConfig(first_chunk=4, chunk=12).head_tokens(BURST_CHUNKS) == 8
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_a_burst_into_an_unmeasured_load_holds_its_first_two_chunks(known):
+    """Fast steps: one chunk outlasts the estimate, but a burst larger than any recent round's feeds is held
+    until two chunks are decodable (its estimate was made of a smaller load); a measured load is not."""
+    clock, log = Clock(), []
+    pump = _pump(clock, log)
+    if known:
+        pump.pace.round_took(0.001, BURST)
+    requests = [Request(pump, f"r{i}", i + 1, log) for i in range(BURST)]
+    for t, n in ((0.002, 1), (0.004, 15)):  # 16 tokens: the first chunk (8) decodable
+        pump.wake()
+        clock.t = t
+        for r in requests:
+            r.give(n)
+    pump.wake()
+    first = [sum(x.size for x in r.got()) for r in requests]
+    assert first == [8 * 512 if known else 0] * BURST
+    clock.t = 0.006
+    for r in requests:
+        r.give(8)  # 24 tokens: two chunks decodable
+    pump.wake()
+    second = [sum(x.size for x in r.got()) for r in requests]
+    assert second == [8 * 512 if known else 16 * 512] * BURST
+    assert all(r.feed.started[r.rid] == (0.004 if known else 0.006) for r in requests)
 
 
 def test_deadline_is_first_audio_plus_the_audio_sent_since():

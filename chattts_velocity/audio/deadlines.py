@@ -34,6 +34,14 @@ first windows), and by a round that decodes each new stream's next two chunks: b
 the estimate was made of (`python benchmarks/stream_underruns.py`; docs/perf/). A lone new request joins steps
 and rounds like the recent ones."""
 
+BURST_CHUNKS = 2
+"""Chunks the first audio of a burst holds at the least where the pace has not seen a load like it
+(``Pace.knows``): its estimate is then made of smaller steps and rounds (the burst's prefills and short first
+windows, rounds of a few feeds scaled up), and the burst's first full window and round took several times as
+long as estimated, after one chunk had played (256 streams started together on a fresh engine: `python
+benchmarks/stream_underruns.py`; docs/perf/stream.md). Once rounds of that many feeds were measured the estimate
+holds on its own."""
+
 SCALE_FROM = 8
 """Fewest feeds of a round whose cost is scaled to more feeds: a round of a few feeds costs mostly its fixed part
 (a call per window length), and scaled up, its noise would dominate the estimate."""
@@ -71,6 +79,11 @@ class Pace:
         return max(fixed + (seconds - fixed) * feeds / n if n >= SCALE_FROM else seconds
                    for seconds, n in self._rounds)
 
+    def knows(self, feeds: int) -> bool:
+        """Whether a recent full round served at least half as many feeds: estimates for ``feeds`` feeds are
+        then made of a load like it (see ``BURST_CHUNKS``)."""
+        return any(2 * n >= feeds for _, n in self._rounds)
+
     def gap_s(self, feeds: int) -> float:
         """How long after one round's deliveries the next round's may come: the longest recent step, then a full
         round of ``feeds`` feeds."""
@@ -83,11 +96,14 @@ def deadline(started: float | None, emitted_tokens: int) -> float | None:
     return None if started is None else started + emitted_tokens * TOKEN_S
 
 
-def safe_to_start(ready_tokens: int, gap_s: float, starting: int) -> bool:
+def safe_to_start(ready_tokens: int, gap_s: float, starting: int, least_tokens: int = 0) -> bool:
     """Whether a request's first audio, ``ready_tokens`` tokens decodable now, lasts until the next round can
     bring more (``Pace.gap_s``, ``BURST_FACTOR`` times it when ``starting`` requests reach their first audio in
-    this round make a burst, plus the guard). On an engine far faster than real time the first chunk passes at
-    once; on a loaded one the first audio comes a step or more later, with as much audio as the wait for the
-    next chunk needs."""
-    factor = BURST_FACTOR if starting >= BURST else 1.0
-    return ready_tokens * TOKEN_S >= factor * gap_s + PLAYBACK_GUARD_S
+    this round make a burst, plus the guard), and, in a burst, holds at least ``least_tokens`` (its first
+    ``BURST_CHUNKS`` chunks where the pace does not know the load, else 0). On an engine far faster than real
+    time the first chunk passes at once; on a loaded one the first audio comes a step or more later, with as
+    much audio as the wait for the next chunk needs."""
+    burst = starting >= BURST
+    if burst and ready_tokens < least_tokens:
+        return False
+    return ready_tokens * TOKEN_S >= (BURST_FACTOR if burst else 1.0) * gap_s + PLAYBACK_GUARD_S

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .deadlines import PLAYBACK_GUARD_S, Pace, deadline, safe_to_start
+from .deadlines import BURST_CHUNKS, PLAYBACK_GUARD_S, Pace, deadline, safe_to_start
 from .decode import AudioDecoder
 from .stream import AudioStream, StreamConfig, Window, decode_windows
 
@@ -97,6 +97,7 @@ class Feed:
     def __init__(self, pump: AudioPump, stream, config: StreamConfig, use_decoder: bool, notify=None,
                  every_round: bool = True):
         self.pump, self.stream, self.use_decoder, self.notify = pump, stream, use_decoder, notify
+        self.config = config
         self.every_round = every_round
         self.audio = {rid: AudioStream(config) for rid in stream.request_ids}
         self.owner = {id(a): rid for rid, a in self.audio.items()}
@@ -160,12 +161,13 @@ class Feed:
                     out.setdefault(rid, []).append(w)
         return out
 
-    def _ready(self, unstarted: dict[str, list[Window]], gap_s: float, starting: int) -> list[Window]:
+    def _ready(self, unstarted: dict[str, list[Window]], gap_s: float, starting: int, known: bool) -> list[Window]:
         """The windows a round may decode now, taken out of those waiting: all but those of a request of
         ``unstarted`` (``_unstarted()``, or none) whose first audio is not yet safe to start on
-        (``deadlines.safe_to_start``; its last window always is)."""
+        (``deadlines.safe_to_start``, ``known``: whether the pace knows the load; its last window always is)."""
+        least = 0 if known else self.config.head_tokens(BURST_CHUNKS)
         held = {id(ws[0].stream) for ws in unstarted.values() if not ws[-1].final
-                and not safe_to_start(sum(w.end - w.start for w in ws), gap_s, starting)}
+                and not safe_to_start(sum(w.end - w.start for w in ws), gap_s, starting, least)}
         ready = [w for w in self._windows if id(w.stream) not in held]
         self._windows = [w for w in self._windows if id(w.stream) in held]
         return ready
@@ -188,7 +190,8 @@ class AudioPump:
     - a request's first audio and its last are decoded at once, the first audio in a call of its own ahead of
       the round's other windows (a first window's length is no later window's), so it never waits for theirs;
     - with ``safe_start``, a request's first audio waits until it outlasts the gap before the next round can
-      bring more (``deadlines.safe_to_start``): at once on an engine far faster than real time;
+      bring more (``deadlines.safe_to_start``): at once on an engine far faster than real time; in a burst
+      of new requests into a load no recent round served, until it holds their first two chunks;
     - a full round (every feed's windows) comes at most every ``round_interval_s``, and not while a request
       waits for the engine's next step on its way to first audio (``wake(hurry=True)``), unless
     - with ``deadlines``, a window's listener would run dry before a later round could bring it (its
@@ -360,7 +363,8 @@ class AudioPump:
         gap = self.pace.gap_s(feeds_open)
         unstarted = {id(feed): feed._unstarted() if self.safe_start else {} for feed in live}
         starting = sum(map(len, unstarted.values()))
-        ready = {id(feed): feed._ready(unstarted[id(feed)], gap, starting) for feed in live}
+        known = self.pace.knows(feeds_open)
+        ready = {id(feed): feed._ready(unstarted[id(feed)], gap, starting, known) for feed in live}
         paced = now - self._last_decode < self.round_interval_s
         full = not paced and not (hurry and self.deadlines)
         if self.deadlines and not full:  # due: would run dry before this round, a step and a full round more

@@ -49,6 +49,13 @@ class StreamConfig:
         while the next one is generated at real time or faster."""
         return self.first_chunk if start == 0 else min(self.chunk, start)
 
+    def head_tokens(self, chunks: int) -> int:
+        """Tokens of a stream's first ``chunks`` chunks (8 + 8 = 16 for two, by default)."""
+        start = 0
+        for _ in range(chunks):
+            start += self.chunk_size(start)
+        return start
+
     def window_lengths(self) -> tuple[int, ...]:
         """Tokens of the windows a stream decodes: 16, 24, 32 and 40 by default, then 40 for every later
         chunk. The windows at a stream's end, cut short by it, take more left context to reach one of these
