@@ -20,6 +20,7 @@ from chattts_velocity.audio.deadlines import (
     BURST_CHUNKS,
     BURST_FACTOR,
     PLAYBACK_GUARD_S,
+    RECENT,
     TOKEN_S,
     Pace,
     safe_to_start,
@@ -135,13 +136,18 @@ def test_first_audio_of_a_burst_holds_its_least_tokens_whatever_the_gap(starting
     assert not safe_to_start(16, 1.0, starting, least_tokens=16), "the least does not lift the gap's rule"
 
 
-def test_pace_knows_a_load_from_a_recent_round_of_at_least_half_its_feeds():
+def test_pace_knows_a_load_from_its_widest_round_since_it_began():
     pace = Pace()
     assert not pace.knows(1), "nothing measured yet"
     pace.round_took(0.002, 8)
     assert pace.knows(16) and not pace.knows(17)
     pace.round_took(0.09, 256)
     assert pace.knows(512) and pace.knows(1)
+    for _ in range(RECENT):  # a light load since: the wide round left the recent ones
+        pace.round_took(0.002, 8)
+    assert pace.knows(512), "a load served once is known"
+    assert pace.round_s(256) == pytest.approx(0.09), "and a round of it costs what it cost"
+    assert pace.round_s(8) == pytest.approx(0.002 + 0.088 * 8 / 256)
 
 
 def test_stream_config_head_tokens_are_its_first_chunks():

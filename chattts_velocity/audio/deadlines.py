@@ -35,12 +35,12 @@ the estimate was made of (`python benchmarks/stream_underruns.py`; docs/perf/). 
 and rounds like the recent ones."""
 
 BURST_CHUNKS = 2
-"""Chunks the first audio of a burst holds at the least where the pace has not seen a load like it
-(``Pace.knows``): its estimate is then made of smaller steps and rounds (the burst's prefills and short first
+"""Chunks the first audio of a burst holds at the least where no round since the pump began served a load like
+it (``Pace.knows``): its estimate is then made of smaller steps and rounds (the burst's prefills and short first
 windows, rounds of a few feeds scaled up), and the burst's first full window and round took several times as
 long as estimated, after one chunk had played (256 streams started together on a fresh engine: `python
-benchmarks/stream_underruns.py`; docs/perf/stream.md). Once rounds of that many feeds were measured the estimate
-holds on its own."""
+benchmarks/stream_underruns.py`; docs/perf/stream.md). Once a round of that many feeds was measured, the
+estimate counts it."""
 
 SCALE_FROM = 8
 """Fewest feeds of a round whose cost is scaled to more feeds: a round of a few feeds costs mostly its fixed part
@@ -54,6 +54,7 @@ class Pace:
     def __init__(self) -> None:
         self._steps: deque[float] = deque(maxlen=RECENT)
         self._rounds: deque[tuple[float, int]] = deque(maxlen=RECENT)
+        self._widest: tuple[float, int] | None = None  # the latest full round of the most feeds so far
         self._rested: float | None = None
 
     def woke(self, now: float) -> None:
@@ -68,21 +69,24 @@ class Pace:
     def round_took(self, seconds: float, feeds: int) -> None:
         """A full round served ``feeds`` feeds (with windows) in ``seconds``."""
         self._rounds.append((seconds, feeds))
+        if self._widest is None or feeds >= self._widest[1]:
+            self._widest = (seconds, feeds)
 
     def round_s(self, feeds: int) -> float:
-        """A full round's expected cost for ``feeds`` feeds: the most of the recent rounds, each of at least
-        ``SCALE_FROM`` feeds scaled to that many (its cost beyond the cheapest round's, the fixed part, in
+        """A full round's expected cost for ``feeds`` feeds: the most of the recent rounds and the widest one
+        since the pump began (a load served before comes back costing as much), each of at least
+        ``SCALE_FROM`` feeds scaled to that many (its cost beyond the cheapest recent round's, the fixed part, in
         proportion to the feeds)."""
         if not self._rounds:
             return 0.0
         fixed = min(seconds for seconds, _ in self._rounds)
         return max(fixed + (seconds - fixed) * feeds / n if n >= SCALE_FROM else seconds
-                   for seconds, n in self._rounds)
+                   for seconds, n in (*self._rounds, self._widest))
 
     def knows(self, feeds: int) -> bool:
-        """Whether a recent full round served at least half as many feeds: estimates for ``feeds`` feeds are
-        then made of a load like it (see ``BURST_CHUNKS``)."""
-        return any(2 * n >= feeds for _, n in self._rounds)
+        """Whether a full round since the pump began served at least half as many feeds: estimates for
+        ``feeds`` feeds then count a load like it (``round_s``; see ``BURST_CHUNKS``)."""
+        return self._widest is not None and 2 * self._widest[1] >= feeds
 
     def gap_s(self, feeds: int) -> float:
         """How long after one round's deliveries the next round's may come: the longest recent step, then a full

@@ -191,7 +191,7 @@ class AudioPump:
       the round's other windows (a first window's length is no later window's), so it never waits for theirs;
     - with ``safe_start``, a request's first audio waits until it outlasts the gap before the next round can
       bring more (``deadlines.safe_to_start``): at once on an engine far faster than real time; in a burst
-      of new requests into a load no recent round served, until it holds their first two chunks;
+      of new requests into a load no round since the pump began served, until it holds their first two chunks;
     - a full round (every feed's windows) comes at most every ``round_interval_s``, and not while a request
       waits for the engine's next step on its way to first audio (``wake(hurry=True)``), unless
     - with ``deadlines``, a window's listener would run dry before a later round could bring it (its
