@@ -40,7 +40,7 @@ it (``Pace.knows``): its estimate is then made of smaller steps and rounds (the 
 windows, rounds of a few feeds scaled up), and the burst's first full window and round took several times as
 long as estimated, after one chunk had played (256 streams started together on a fresh engine: `python
 benchmarks/stream_underruns.py`; docs/perf/stream.md). Once a round of that many feeds was measured, the
-estimate counts it."""
+recent rounds held it."""
 
 SCALE_FROM = 8
 """Fewest feeds of a round whose cost is scaled to more feeds: a round of a few feeds costs mostly its fixed part
@@ -54,7 +54,7 @@ class Pace:
     def __init__(self) -> None:
         self._steps: deque[float] = deque(maxlen=RECENT)
         self._rounds: deque[tuple[float, int]] = deque(maxlen=RECENT)
-        self._widest: tuple[float, int] | None = None  # the latest full round of the most feeds so far
+        self._widest = 0  # the most feeds a full round served since the pump began
         self._rested: float | None = None
 
     def woke(self, now: float) -> None:
@@ -69,24 +69,22 @@ class Pace:
     def round_took(self, seconds: float, feeds: int) -> None:
         """A full round served ``feeds`` feeds (with windows) in ``seconds``."""
         self._rounds.append((seconds, feeds))
-        if self._widest is None or feeds >= self._widest[1]:
-            self._widest = (seconds, feeds)
+        self._widest = max(self._widest, feeds)
 
     def round_s(self, feeds: int) -> float:
-        """A full round's expected cost for ``feeds`` feeds: the most of the recent rounds and the widest one
-        since the pump began (a load served before comes back costing as much), each of at least
-        ``SCALE_FROM`` feeds scaled to that many (its cost beyond the cheapest recent round's, the fixed part, in
+        """A full round's expected cost for ``feeds`` feeds: the most of the recent rounds, each of at least
+        ``SCALE_FROM`` feeds scaled to that many (its cost beyond the cheapest round's, the fixed part, in
         proportion to the feeds)."""
         if not self._rounds:
             return 0.0
         fixed = min(seconds for seconds, _ in self._rounds)
         return max(fixed + (seconds - fixed) * feeds / n if n >= SCALE_FROM else seconds
-                   for seconds, n in (*self._rounds, self._widest))
+                   for seconds, n in self._rounds)
 
     def knows(self, feeds: int) -> bool:
-        """Whether a full round since the pump began served at least half as many feeds: estimates for
-        ``feeds`` feeds then count a load like it (``round_s``; see ``BURST_CHUNKS``)."""
-        return self._widest is not None and 2 * self._widest[1] >= feeds
+        """Whether a full round since the pump began served at least half as many feeds (see
+        ``BURST_CHUNKS``)."""
+        return 2 * self._widest >= feeds
 
     def gap_s(self, feeds: int) -> float:
         """How long after one round's deliveries the next round's may come: the longest recent step, then a full
