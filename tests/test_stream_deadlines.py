@@ -143,9 +143,11 @@ def test_pace_knows_a_load_from_its_widest_round_since_it_began():
     assert pace.knows(16) and not pace.knows(17)
     pace.round_took(0.09, 256)
     assert pace.knows(512) and pace.knows(1)
+    pace.round_took(0.01, 20, open_feeds=600)  # a round that decoded for 20 of 600 open feeds
+    assert pace.knows(1200) and not pace.knows(1201)
     for _ in range(RECENT):  # a light load since: the wide round left the recent ones
         pace.round_took(0.002, 8)
-    assert pace.knows(512), "a load served once is known"
+    assert pace.knows(1200), "a load served once is known"
     assert pace.round_s(256) == pytest.approx(0.002), "the estimate itself is made of the recent rounds"
 
 

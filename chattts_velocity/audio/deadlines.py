@@ -54,7 +54,7 @@ class Pace:
     def __init__(self) -> None:
         self._steps: deque[float] = deque(maxlen=RECENT)
         self._rounds: deque[tuple[float, int]] = deque(maxlen=RECENT)
-        self._widest = 0  # the most feeds a full round served since the pump began
+        self._widest = 0  # the most feeds open at a full round since the pump began
         self._rested: float | None = None
 
     def woke(self, now: float) -> None:
@@ -66,10 +66,11 @@ class Pace:
         """A wake ended at ``now``; None: no feed is open, so the time until the next wake is no busy step."""
         self._rested = now
 
-    def round_took(self, seconds: float, feeds: int) -> None:
-        """A full round served ``feeds`` feeds (with windows) in ``seconds``."""
+    def round_took(self, seconds: float, feeds: int, open_feeds: int = 0) -> None:
+        """A full round served ``feeds`` feeds (with windows) in ``seconds``, of ``open_feeds`` open (the load;
+        at least ``feeds``)."""
         self._rounds.append((seconds, feeds))
-        self._widest = max(self._widest, feeds)
+        self._widest = max(self._widest, feeds, open_feeds)
 
     def round_s(self, feeds: int) -> float:
         """A full round's expected cost for ``feeds`` feeds: the most of the recent rounds, each of at least
@@ -82,7 +83,7 @@ class Pace:
                    for seconds, n in self._rounds)
 
     def knows(self, feeds: int) -> bool:
-        """Whether a full round since the pump began served at least half as many feeds (see
+        """Whether a full round since the pump began served a load of at least half as many feeds (see
         ``BURST_CHUNKS``)."""
         return 2 * self._widest >= feeds
 

@@ -383,7 +383,7 @@ class AudioPump:
             if group:
                 self._deliver([(feed, ready[id(feed)]) for feed in group])
         if full and decodes:
-            self.pace.round_took(self.clock() - now, sum(bool(ready[id(feed)]) for feed in taken))
+            self.pace.round_took(self.clock() - now, sum(bool(ready[id(feed)]) for feed in taken), feeds_open)
         return True
 
     def _put_off(self, feeds: list[Feed], ready: dict[int, list[Window]]) -> None:
