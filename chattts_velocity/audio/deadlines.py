@@ -38,8 +38,8 @@ BURST_CHUNKS = 2
 """Chunks the first audio of a burst holds at the least where no round since the pump began served a load like
 it (``Pace.knows``): its estimate is then made of smaller steps and rounds (the burst's prefills and short first
 windows, rounds of a few feeds scaled up), and the burst's first full window and round took several times as
-long as estimated, after one chunk had played (256 streams started together on a fresh engine: `python
-benchmarks/stream_underruns.py`; docs/perf/stream.md). Once a round of that many feeds was measured, the
+long as estimated, after one chunk had played (256 streams started together on a fresh engine: `chattts-velocity
+bench stream --streams 256`; docs/perf/stream.md). Once a round of that many feeds was measured, the
 recent rounds held it."""
 
 SCALE_FROM = 8
