@@ -39,8 +39,8 @@ BURST_CHUNKS = 2
 it (``Pace.knows``): its estimate is then made of smaller steps and rounds (the burst's prefills and short first
 windows, rounds of a few feeds scaled up), and the burst's first full window and round took several times as
 long as estimated, after one chunk had played (256 streams started together on a fresh engine: `chattts-velocity
-bench stream --streams 256`; docs/perf/stream.md). Once a round of that many feeds was measured, the
-recent rounds held it."""
+bench stream --streams 256`; docs/perf/stream.md). Once a full round has served such a load the rule is off for
+that load: the recent rounds then carried its cost, and the later bursts of that run stalled none."""
 
 SCALE_FROM = 8
 """Fewest feeds of a round whose cost is scaled to more feeds: a round of a few feeds costs mostly its fixed part
