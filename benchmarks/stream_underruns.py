@@ -10,6 +10,9 @@ variant in turn (``--repeats`` rounds, alternating, so drift hits every variant 
   round's other windows, full rounds put off while a request waits for its first audio;
 - ``deadlines+start``: that, and first audio held until it outlasts the wait for the next chunk (the default).
 
+Only a load more than twice any before it in the process meets a pump that has not served its like
+(``audio.deadlines.BURST_CHUNKS``): at such a level, the first variant of its first round alone.
+
 Per level and variant (medians over the rounds; underruns: the most): first audio p50/p95, underruns (playback
 started at the first chunk would stall), the start delay that never stalls p50/p95, audio seconds per second.
 
