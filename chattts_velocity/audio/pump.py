@@ -165,7 +165,7 @@ class Feed:
         """The windows a round may decode now, taken out of those waiting: all but those of a request of
         ``unstarted`` (``_unstarted()``, or none) whose first audio is not yet safe to start on
         (``deadlines.safe_to_start``, ``known``: whether the pace knows the load; its last window always is)."""
-        least = 0 if known else self.config.head_tokens(BURST_CHUNKS)
+        least = 0 if known or not unstarted else self.config.head_tokens(BURST_CHUNKS)
         held = {id(ws[0].stream) for ws in unstarted.values() if not ws[-1].final
                 and not safe_to_start(sum(w.end - w.start for w in ws), gap_s, starting, least)}
         ready = [w for w in self._windows if id(w.stream) not in held]
@@ -363,7 +363,7 @@ class AudioPump:
         gap = self.pace.gap_s(feeds_open)
         unstarted = {id(feed): feed._unstarted() if self.safe_start else {} for feed in live}
         starting = sum(map(len, unstarted.values()))
-        known = self.pace.knows(feeds_open)
+        known = not starting or self.pace.knows(feeds_open)
         ready = {id(feed): feed._ready(unstarted[id(feed)], gap, starting, known) for feed in live}
         paced = now - self._last_decode < self.round_interval_s
         full = not paced and not (hurry and self.deadlines)

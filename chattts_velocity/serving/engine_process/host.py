@@ -68,7 +68,6 @@ class EngineSettings:
     """The engine is unhealthy (its beats say so) once it has had work this long without finishing a step."""
 
 
-
 def engine_main(load: dict, settings: EngineSettings, ends: list[EngineEnds],
                 backlog: Callable[[], bool] | None = None) -> None:
     """The engine process: ``load_chat(load)``, then serve the fronts at the other ends of ``ends``;
