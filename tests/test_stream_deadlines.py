@@ -111,9 +111,9 @@ def test_pace_estimates_the_gap_from_recent_steps_and_rounds_scaled_to_the_feeds
     pace.rested(None)  # no feed open: the idle time until the next wake is no step
     pace.woke(5.0)
     assert pace.gap_s(1) == pytest.approx(0.04)
-    pace.round_took(0.002, 1)
-    pace.round_took(0.030, 64)
-    pace.round_took(0.010, 2)  # too few feeds to scale: counts as it is
+    pace.round_took(0.002, 1, 1)
+    pace.round_took(0.030, 64, 64)
+    pace.round_took(0.010, 2, 2)  # too few feeds to scale: counts as it is
     assert pace.round_s(64) == pytest.approx(0.030)
     assert pace.round_s(256) == pytest.approx(0.002 + 0.028 * 4), "a round of 4x the feeds costs 4x beyond the fixed"
     assert pace.round_s(1) == pytest.approx(0.010)
@@ -139,14 +139,14 @@ def test_first_audio_of_a_burst_holds_its_least_tokens_whatever_the_gap(starting
 def test_pace_knows_a_load_from_its_widest_round_since_it_began():
     pace = Pace()
     assert not pace.knows(1), "nothing measured yet"
-    pace.round_took(0.002, 8)
+    pace.round_took(0.002, 8, 8)
     assert pace.knows(16) and not pace.knows(17)
-    pace.round_took(0.09, 256)
+    pace.round_took(0.09, 256, 256)
     assert pace.knows(512) and pace.knows(1)
     pace.round_took(0.01, 20, open_feeds=600)  # a round that decoded for 20 of 600 open feeds
     assert pace.knows(1200) and not pace.knows(1201)
     for _ in range(RECENT):  # a light load since: the wide round left the recent ones
-        pace.round_took(0.002, 8)
+        pace.round_took(0.002, 8, 8)
     assert pace.knows(1200), "a load served once is known"
     assert pace.round_s(256) == pytest.approx(0.002), "the estimate itself is made of the recent rounds"
 
@@ -163,7 +163,7 @@ def test_a_burst_into_an_unmeasured_load_holds_its_first_two_chunks(known):
     clock, log = Clock(), []
     pump = _pump(clock, log)
     if known:
-        pump.pace.round_took(0.001, BURST)
+        pump.pace.round_took(0.001, BURST, BURST)
     requests = [Request(pump, f"r{i}", i + 1, log) for i in range(BURST)]
     for t, n in ((0.002, 1), (0.004, 15)):  # 16 tokens: the first chunk (8) decodable
         pump.wake()

@@ -66,11 +66,10 @@ class Pace:
         """A wake ended at ``now``; None: no feed is open, so the time until the next wake is no busy step."""
         self._rested = now
 
-    def round_took(self, seconds: float, feeds: int, open_feeds: int = 0) -> None:
-        """A full round served ``feeds`` feeds (with windows) in ``seconds``, of ``open_feeds`` open (the load;
-        at least ``feeds``)."""
+    def round_took(self, seconds: float, feeds: int, open_feeds: int) -> None:
+        """A full round served ``feeds`` feeds (with windows) in ``seconds``, of ``open_feeds`` open (the load)."""
         self._rounds.append((seconds, feeds))
-        self._widest = max(self._widest, feeds, open_feeds)
+        self._widest = max(self._widest, open_feeds)
 
     def round_s(self, feeds: int) -> float:
         """A full round's expected cost for ``feeds`` feeds: the most of the recent rounds, each of at least
