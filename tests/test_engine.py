@@ -5,6 +5,7 @@ batch invariance; aborts; bad requests. Every engine built here must end with it
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -278,6 +279,39 @@ def test_pipelined_decode_windows_match_single_steps(chat, make_engine):
         for other in (b, c, d):
             assert torch.equal(a.token_ids, other.token_ids) and a.finish_reason == other.finish_reason
             torch.testing.assert_close(a.hidden_states, other.hidden_states, atol=1e-5, rtol=1e-5)
+
+
+def test_pipelined_windows_grow_while_the_host_outlasts_them(chat, make_engine, monkeypatch):
+    """Where the host's work between two pipelined windows (a sleep after each step here, as an audio round of
+    many streams would take) outlasts a window on the device, the full windows grow up to ``max_decode_steps``;
+    where the device is the slower, they stay at ``num_decode_steps``. The tokens are those of fixed windows.
+    (The device time is made up: on the CPU a window runs inside its launch.)"""
+    from chattts_velocity.engine.model_runner import LaunchedStep
+
+    texts = ["a window grows", "while the host is slow"]
+    ps = [sampled(70 + i, min_new_tokens=60, max_new_tokens=60) for i in range(2)]
+
+    def generate(step_device_s: float, host_s: float, max_steps: int | None) -> tuple[list, list[int]]:
+        monkeypatch.setattr(LaunchedStep, "device_s", lambda self: step_device_s * self.num_steps)
+        engine = make_engine(num_decode_steps=4, max_decode_steps=max_steps, window_stops=(), pipeline_decode=True)
+        behind = []
+        record_windows(engine, lambda w, continuing: continuing and behind.append(w.num_steps))
+        for i, text in enumerate(texts):
+            engine.add_request(f"g{i}", code_prompt(chat, text), ps[i])
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            time.sleep(host_s)
+        return [done[f"g{i}"] for i in range(2)], behind
+
+    fixed, fixed_windows = generate(0.001, 0.02, 4)
+    grown, grown_windows = generate(0.001, 0.02, 16)
+    kept, kept_windows = generate(1.0, 0.0, 16)
+    assert max(fixed_windows) == 4 and max(kept_windows) == 4
+    assert max(grown_windows) == 16 and len(grown_windows) < len(fixed_windows)
+    for a, b, c in zip(fixed, grown, kept, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.token_ids, c.token_ids)
+        torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-5, rtol=1e-5)
 
 
 def test_a_request_arriving_during_a_window_waits_for_that_window_only(chat, make_engine):

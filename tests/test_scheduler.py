@@ -473,3 +473,38 @@ def test_a_later_window_stop_applies_only_when_a_full_window_would_outlast_the_b
     assert sched.next_stop(seqs) == 8
     assert run_step(sched).num_steps == 8
     assert sched.next_stop(seqs) is None and run_step(sched).num_steps == 32  # past the last stop
+
+
+def test_full_windows_grow_while_the_host_outlasts_them_and_shrink_back():
+    """``fit_window``: a window queued behind another ran so long a step on the device while the host worked so
+    long between windows; the next full windows cover the host's work with ``FIT_MARGIN`` to spare, growing at
+    most twofold at once up to ``max_decode_steps``, and shrink back, never below ``num_decode_steps``. A
+    window queued behind a grown one is granted at the base length already (only a short first window is
+    reported before more is queued)."""
+    from chattts_velocity.engine.scheduler import FIT_MARGIN
+
+    bm = BlockSpaceManager(4096, 4, 0.0)
+    sched = Scheduler(bm, 64, 4096, num_decode_steps=8, max_decode_steps=32)
+    seqs = [make_seq(5, request_id=f"g{i}", max_new=400) for i in range(2)]
+    for seq in seqs:
+        sched.add(seq)
+    run_step(sched)
+    assert sched.full_window_steps() == 8 and run_step(sched).num_steps == 8
+    sched.fit_window(0.001, 0.004)  # the host's 4 ms fit in 8 steps of 1 ms
+    assert sched.fitted_steps == 8
+    sched.fit_window(0.001, 0.012)  # 12 ms: 15 steps with the margin
+    assert sched.fitted_steps == 15 == -(-FIT_MARGIN * 12 // 1)
+    assert run_step(sched).num_steps == 15 and sched.window_steps(2) == 15
+    sched.fit_window(0.001, 0.1)  # far behind: doubled at most, then the cap
+    assert sched.fitted_steps == 30
+    sched.fit_window(0.001, 0.1)
+    assert sched.fitted_steps == 32
+    assert sched.continue_window(seqs, 8) == 32  # behind a base-length window: granted the grown one
+    assert sched.continue_window(seqs, 7) == 0  # a short window is still reported first
+    sched.fit_window(0.001, 0.001)  # the host keeps up again
+    assert sched.fitted_steps == 8
+    sched.fit_window(0.0, 1.0)  # nothing measured: unchanged
+    assert sched.fitted_steps == 8
+    fixed = Scheduler(bm, 64, 4096, num_decode_steps=8)  # max_decode_steps None: never grows
+    fixed.fit_window(0.001, 1.0)
+    assert fixed.fitted_steps == 8

@@ -48,6 +48,14 @@ class EngineConfig:
     between them); 1 schedules every step. No window runs past every sequence's length limit, but a sequence
     that ends by EOS may compute up to this many unused steps, and a new request waits for the running window
     (two with ``pipeline_decode``)."""
+    max_decode_steps: int | None = None
+    """Most steps a full decode window grows to while the host's work between two pipelined windows (reading
+    one, its reports, the audio rounds of a streaming load) outlasts a window on the device: with windows of
+    ``num_decode_steps`` the device would idle between them (hundreds of in-process streams: docs/perf/). The
+    engine measures both for every window queued behind another and sizes the next full windows to cover the
+    host's part (``Scheduler.fit_window``), never below ``num_decode_steps``; the windows shrink back once the
+    host keeps up. Equal to ``num_decode_steps``: windows never grow; None: twice ``num_decode_steps``. CUDA only
+    (pipelined windows)."""
     window_budget_ms: float | None = 300.0
     """Longest a full decode window should run, at the step time of the latest decode window: fewer than
     ``num_decode_steps`` steps where steps are slow (the CPU's), never fewer than two. A stream's audio comes
@@ -107,6 +115,11 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("num_decode_steps", self.num_decode_steps)
+        if self.max_decode_steps is not None:
+            _positive("max_decode_steps", self.max_decode_steps)
+            if self.max_decode_steps < self.num_decode_steps:
+                raise ValueError(f"max_decode_steps must be >= num_decode_steps ({self.num_decode_steps}) or None, "
+                                 f"got {self.max_decode_steps!r}")
         if self.max_window_tokens is not None:
             _positive("max_window_tokens", self.max_window_tokens)
         _positive("window_lookahead", self.window_lookahead)
@@ -126,6 +139,11 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def decode_steps_cap(self) -> int:
+        """``max_decode_steps``, or twice ``num_decode_steps`` where it is None."""
+        return 2 * self.num_decode_steps if self.max_decode_steps is None else self.max_decode_steps
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -77,9 +77,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_decode_steps, config.window_stops, config.max_window_tokens,
                                    prefill_first, seqs, tokens, config.window_stop_budget_ms,
-                                   config.window_budget_ms)
+                                   config.window_budget_ms, config.decode_steps_cap)
         self._collected_at = 0.0
         """``time.perf_counter()`` when the latest step's tokens were read (``_time_steps``)."""
+        self._waited = 0.0
+        """Seconds the latest step waited for the device to read its window: the window queued behind it was
+        launched before, so that wait is no host work of the gap ``_fit_window`` measures."""
         self.requests: dict[str, Sequence] = {}
         """The unfinished requests' sequences, by request id."""
         self._aborted: list[RequestOutput] = []
@@ -257,6 +260,7 @@ class LLMEngine:
         if self._ahead_failure is not None:  # ``_batch`` is still the batch it failed on
             err, self._ahead_failure = self._ahead_failure, None
             raise err
+        ready_at = time.perf_counter()
         window, self._window = self._window, None
         if window is None:
             window = self._launch(may_open=True)
@@ -269,8 +273,12 @@ class LLMEngine:
             window, cut = self.runner.close(window, self._arrived, self.config.window_lookahead)
         if window.decode and not cut:
             self._window = self._continue(window)
+        waiting_from = time.perf_counter()
+        self.runner.wait(window)
+        waited, self._waited = self._waited, time.perf_counter() - waiting_from
         tokens = self.runner.collect(window)
         self._time_steps(window)
+        self._fit_window(window, ready_at - window.launched_at - waited)
         sampled = []
         for seq, seq_tokens, seq_hidden in zip(window.seqs, tokens, window.hidden.unbind(1), strict=True):
             if not seq.is_finished:  # not aborted while its window ran
@@ -287,6 +295,16 @@ class LLMEngine:
         if window.decode and window.num_steps > 1:
             self.scheduler.step_s = (now - max(window.launched_at, self._collected_at)) / window.num_steps
         self._collected_at = now
+
+    def _fit_window(self, window: LaunchedStep, host_s: float) -> None:
+        """A window queued behind another (``LaunchedStep.behind``) was read: the host worked ``host_s`` between
+        its launch and its read (waits for the device left out), against its time on the device, and the
+        scheduler sizes the next full windows to that (``Scheduler.fit_window``)."""
+        if not window.behind or window.num_steps < 2:
+            return
+        device_s = window.device_s()
+        if device_s is not None:
+            self.scheduler.fit_window(device_s / window.num_steps, host_s)
 
     def _count(self, plan) -> None:
         t = self._totals

@@ -56,6 +56,18 @@ class LaunchedStep:
     """A decode window (``launch_next`` may queue the batch's next one behind it)."""
     launched_at: float = 0.0
     """``time.perf_counter()`` before it was launched (``LLMEngine`` times its steps from it)."""
+    behind: bool = False
+    """Queued behind another window, before that one's tokens were read (``launch_next``)."""
+    started: torch.cuda.Event | None = None
+    """Such a window's timing event on CUDA, recorded before its steps, so that it and ``done`` time the window
+    on the device (``device_s``); None otherwise."""
+
+    def device_s(self) -> float | None:
+        """Seconds the window ran on the device, from ``started`` to ``done`` (once ``done`` has passed); None
+        without ``started``."""
+        if self.started is None or self.done is None:
+            return None
+        return self.started.elapsed_time(self.done) / 1e3
 
 
 @dataclass
@@ -92,7 +104,7 @@ class ModelRunner:
         with torch.no_grad():  # the audio codes' embedding table, one for the prefill steps and the windows
             codes = gpt.embed.fuse_code_tables()  # [Q * V, H], [Q]
         self._code_table, self._code_offsets = codes
-        max_model_len, max_seqs, max_steps = gcfg.max_position_embeddings, config.max_num_seqs, config.num_decode_steps
+        max_model_len, max_seqs, max_steps = gcfg.max_position_embeddings, config.max_num_seqs, config.decode_steps_cap
         self.prefill: PaddedPrefill | None = None
         if device.type == "cuda":
             self.prefill = PaddedPrefill(self.core, self.kv_caches, -(-max_model_len // self.block_size), device)
@@ -146,7 +158,14 @@ class ModelRunner:
         ``lead``: only its first ``lead`` steps, as ``open`` does."""
         if lead is not None and lead < num_steps:
             return self._open(step.seqs, num_steps, lead, continuing=True)
-        return self._launched(step.seqs, *self.decoder.run(step.seqs, num_steps, continuing=True), decode=True)
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        window = self._launched(step.seqs, *self.decoder.run(step.seqs, num_steps, continuing=True), decode=True,
+                                started=started)
+        window.behind = True
+        return window
 
     def open(self, plan: SchedulerOutput, lead: int) -> LaunchedStep | OpenWindow:
         """Like ``launch`` for a decode window, but queue only its first ``lead`` steps: ``close`` queues the
@@ -184,17 +203,19 @@ class ModelRunner:
         step.launched_at = window.launched_at
         return step, cut
 
-    def _launched(self, seqs: list[Sequence], hidden: Tensor, tokens: Tensor, decode: bool) -> LaunchedStep:
-        """``tokens`` [K, n, Q] on their way to a host buffer (not waited for) and ``hidden`` [K, n, H]."""
+    def _launched(self, seqs: list[Sequence], hidden: Tensor, tokens: Tensor, decode: bool,
+                  started: torch.cuda.Event | None = None) -> LaunchedStep:
+        """``tokens`` [K, n, Q] on their way to a host buffer (not waited for) and ``hidden`` [K, n, H];
+        ``started``: see ``LaunchedStep``."""
         k, n, q = tokens.shape
         host = self._host_tokens[self._next_host][: k * n * q].view(k, n, q)
         self._next_host ^= 1
         host.copy_(tokens, non_blocking=True)
         done = None
         if self.device.type == "cuda":
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=started is not None)
             done.record()
-        return LaunchedStep(seqs, k, hidden, host, done, decode)
+        return LaunchedStep(seqs, k, hidden, host, done, decode, started=started)
 
     def wait(self, step: LaunchedStep) -> None:
         """Wait until the device has computed ``step`` (and copied its tokens to the host)."""

@@ -18,6 +18,8 @@ presence makes steps fail is found and failed alone. Pure Python: no torch."""
 
 from __future__ import annotations
 
+import math
+
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +57,11 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+FIT_MARGIN = 1.25
+"""How much longer than the host's work between two windows ``Scheduler.fit_window`` makes a window on the
+device: the host's part varies from window to window (an audio round decodes more windows one time than the
+next), and a window a little long costs a few steps of latency where one too short idles the device."""
+
 MIN_CAPPED_STEPS = 8
 """The fewest steps ``max_window_tokens`` cuts a decode window to: shorter windows of a large batch cost the
 server much of its throughput (`chattts-velocity bench serve` with `--max-window-tokens`; docs/perf/)."""
@@ -65,11 +72,15 @@ class Scheduler:
                  num_decode_steps: int = 1, window_stops: tuple[int, ...] = (), max_window_tokens: int | None = None,
                  prefill_first: bool = False, max_prefill_seqs: int | None = None,
                  max_prefill_tokens: int | None = None, window_stop_budget_ms: float | None = None,
-                 window_budget_ms: float | None = None):
+                 window_budget_ms: float | None = None, max_decode_steps: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_decode_steps = num_decode_steps
+        self.max_decode_steps = num_decode_steps if max_decode_steps is None else max_decode_steps
+        """``EngineConfig.max_decode_steps``: the most steps ``fit_window`` grows a full window to."""
+        self.fitted_steps = num_decode_steps
+        """Steps of a full window now (``fit_window``): ``num_decode_steps`` up to ``max_decode_steps``."""
         self.window_stops = window_stops
         """``EngineConfig.window_stops``: where the youngest audio sequence's window ends (``next_stop``)."""
         self.window_stop_budget_s = None if window_stop_budget_ms is None else window_stop_budget_ms / 1e3
@@ -167,13 +178,25 @@ class Scheduler:
         return all(_is_decode(item) and item.seq.text_mode == text for item in scheduled)
 
     def full_window_steps(self) -> int:
-        """Steps of a full decode window: ``num_decode_steps``, fewer where that many steps of ``step_s`` would
+        """Steps of a full decode window: ``fitted_steps``, fewer where that many steps of ``step_s`` would
         outlast ``window_budget_s``, but never fewer than two: a single step is no window, and without windows
         ``step_s`` would not be measured again when the steps get faster."""
-        k = self.num_decode_steps
+        k = self.fitted_steps
         if self.window_budget_s is not None and self.step_s > 0:
             k = min(k, max(2, int(self.window_budget_s / self.step_s + 1e-9)))  # (1e-9: 0.15 / 0.025 is 5.999...)
         return k
+
+    def fit_window(self, step_device_s: float, host_s: float) -> None:
+        """Size the next full windows to the host: a window queued behind another ran ``step_device_s`` a step
+        on the device while the host worked ``host_s`` (reading the window before it, the reports, the audio
+        rounds) before it came back for it. Where that work outlasts a window, the device idles until the next
+        one is queued, so the full windows grow to cover it with ``FIT_MARGIN`` to spare (at most doubling at
+        once, up to ``max_decode_steps``); where it does not, they shrink as far, never below
+        ``num_decode_steps``."""
+        if step_device_s <= 0:
+            return
+        want = math.ceil(FIT_MARGIN * host_s / step_device_s)
+        self.fitted_steps = max(self.num_decode_steps, min(want, 2 * self.fitted_steps, self.max_decode_steps))
 
     def window_steps(self, batch: int) -> int:
         """Steps of a full decode window of ``batch`` sequences: ``full_window_steps``, fewer where
@@ -211,7 +234,7 @@ class Scheduler:
         finished or reaching its length limit inside the running window, the youngest short of a window stop
         after it (its window ends there), or too few free blocks."""
         k = self.window_steps(len(seqs))
-        if self.waiting or len(self.running) != len(seqs) or num_steps < k:
+        if self.waiting or len(self.running) != len(seqs) or num_steps < min(k, self.num_decode_steps):
             return 0
         stop = self.next_stop(seqs)
         if stop is not None and stop > num_steps:  # the youngest is short of a stop after it: its window ends there
