@@ -476,12 +476,13 @@ def test_a_later_window_stop_applies_only_when_a_full_window_would_outlast_the_b
 
 
 def test_full_windows_grow_while_the_host_outlasts_them_and_shrink_back():
-    """``fit_window``: a window queued behind another ran so long a step on the device while the host worked so
-    long between windows; the next full windows cover the host's work with ``FIT_MARGIN`` to spare, growing at
-    most twofold at once up to ``max_decode_steps``, and shrink back, never below ``num_decode_steps``. A
-    window queued behind a grown one is granted at the base length already (only a short first window is
-    reported before more is queued)."""
-    from chattts_velocity.engine.scheduler import FIT_MARGIN
+    """``fit_window``: a window queued behind another ran so long on the device while the host worked so long
+    between windows. Once the host takes ``GROW_AT`` times the window, the next full windows cover its work with
+    ``FIT_MARGIN`` to spare, growing at most twofold at once up to ``max_decode_steps``; a host a little slower
+    than the window changes nothing; with more than the margin to spare they shrink back, never below
+    ``num_decode_steps``. A window queued behind a grown one is granted at the base length already (only a
+    short first window is reported before more is queued)."""
+    from chattts_velocity.engine.scheduler import FIT_MARGIN, GROW_AT
 
     bm = BlockSpaceManager(4096, 4, 0.0)
     sched = Scheduler(bm, 64, 4096, num_decode_steps=8, max_decode_steps=32)
@@ -490,21 +491,27 @@ def test_full_windows_grow_while_the_host_outlasts_them_and_shrink_back():
         sched.add(seq)
     run_step(sched)
     assert sched.full_window_steps() == 8 and run_step(sched).num_steps == 8
-    sched.fit_window(0.001, 0.004)  # the host's 4 ms fit in 8 steps of 1 ms
+    sched.fit_window(8, 0.008, 0.004)  # the host's 4 ms fit in the 8 ms window
     assert sched.fitted_steps == 8
-    sched.fit_window(0.001, 0.012)  # 12 ms: 15 steps with the margin
-    assert sched.fitted_steps == 15 == -(-FIT_MARGIN * 12 // 1)
+    sched.fit_window(8, 0.008, 0.011)  # a little slower than the window: below GROW_AT, unchanged
+    assert GROW_AT * 0.008 > 0.011 and sched.fitted_steps == 8
+    sched.fit_window(8, 0.008, 0.012)  # 12 ms against 8: 15 steps of 1 ms with the margin
+    assert sched.fitted_steps == 15 == round(FIT_MARGIN * 12)
     assert run_step(sched).num_steps == 15 and sched.window_steps(2) == 15
-    sched.fit_window(0.001, 0.1)  # far behind: doubled at most, then the cap
+    sched.fit_window(15, 0.015, 0.012)  # covered with the margin: stays
+    assert sched.fitted_steps == 15
+    sched.fit_window(15, 0.015, 0.1)  # far behind: doubled at most, then the cap
     assert sched.fitted_steps == 30
-    sched.fit_window(0.001, 0.1)
+    sched.fit_window(30, 0.030, 0.1)
     assert sched.fitted_steps == 32
     assert sched.continue_window(seqs, 8) == 32  # behind a base-length window: granted the grown one
     assert sched.continue_window(seqs, 7) == 0  # a short window is still reported first
-    sched.fit_window(0.001, 0.001)  # the host keeps up again
+    sched.fit_window(32, 0.032, 0.016)  # the host keeps up again: 20 steps cover it
+    assert sched.fitted_steps == 20
+    sched.fit_window(20, 0.020, 0.001)
     assert sched.fitted_steps == 8
-    sched.fit_window(0.0, 1.0)  # nothing measured: unchanged
+    sched.fit_window(8, 0.0, 1.0)  # nothing measured: unchanged
     assert sched.fitted_steps == 8
     fixed = Scheduler(bm, 64, 4096, num_decode_steps=8)  # max_decode_steps None: never grows
-    fixed.fit_window(0.001, 1.0)
+    fixed.fit_window(8, 0.008, 1.0)
     assert fixed.fitted_steps == 8

@@ -62,6 +62,12 @@ FIT_MARGIN = 1.25
 device: the host's part varies from window to window (an audio round decodes more windows one time than the
 next), and a window a little long costs a few steps of latency where one too short idles the device."""
 
+GROW_AT = 1.5
+"""How many times a window's device time the host's work between two windows must take before
+``Scheduler.fit_window`` grows the windows: below it the device idles a third of the time or less, and a
+server's windows, whose rounds and reports mostly fit, paid more for the changes of length than they saved
+(docs/perf/serve.md)."""
+
 MIN_CAPPED_STEPS = 8
 """The fewest steps ``max_window_tokens`` cuts a decode window to: shorter windows of a large batch cost the
 server much of its throughput (`chattts-velocity bench serve` with `--max-window-tokens`; docs/perf/)."""
@@ -186,17 +192,21 @@ class Scheduler:
             k = min(k, max(2, int(self.window_budget_s / self.step_s + 1e-9)))  # (1e-9: 0.15 / 0.025 is 5.999...)
         return k
 
-    def fit_window(self, step_device_s: float, host_s: float) -> None:
-        """Size the next full windows to the host: a window queued behind another ran ``step_device_s`` a step
-        on the device while the host worked ``host_s`` (reading the window before it, the reports, the audio
-        rounds) before it came back for it. Where that work outlasts a window, the device idles until the next
-        one is queued, so the full windows grow to cover it with ``FIT_MARGIN`` to spare (at most doubling at
-        once, up to ``max_decode_steps``); where it does not, they shrink as far, never below
-        ``num_decode_steps``."""
-        if step_device_s <= 0:
+    def fit_window(self, steps: int, device_s: float, host_s: float) -> None:
+        """Size the next full windows to the host: a window of ``steps`` steps queued behind another ran
+        ``device_s`` on the device while the host worked ``host_s`` (reading the window before it, the reports,
+        the audio rounds) before it came back for it, and the device idled for the difference. Where the host
+        took ``GROW_AT`` times the window or longer, the full windows grow to cover its work with ``FIT_MARGIN``
+        to spare (at most doubling at once, up to ``max_decode_steps``); where they cover it with more than that
+        to spare, they shrink as far, never below ``num_decode_steps``. In between they stay: a window that
+        changes length is one the device may idle before, and a small idle costs less."""
+        if steps < 1 or device_s <= 0:
             return
-        want = math.ceil(FIT_MARGIN * host_s / step_device_s)
-        self.fitted_steps = max(self.num_decode_steps, min(want, 2 * self.fitted_steps, self.max_decode_steps))
+        want = math.ceil(FIT_MARGIN * host_s * steps / device_s)
+        if host_s >= GROW_AT * device_s:
+            self.fitted_steps = max(self.fitted_steps, min(want, 2 * self.fitted_steps, self.max_decode_steps))
+        elif want < self.fitted_steps:
+            self.fitted_steps = max(self.num_decode_steps, want)
 
     def window_steps(self, batch: int) -> int:
         """Steps of a full decode window of ``batch`` sequences: ``full_window_steps``, fewer where
