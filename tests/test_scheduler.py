@@ -481,7 +481,8 @@ def test_full_windows_grow_while_the_host_outlasts_them_and_shrink_back():
     ``FIT_MARGIN`` to spare, growing at most twofold at once up to ``max_decode_steps``; a host a little slower
     than the window changes nothing; with more than the margin to spare they shrink back, never below
     ``num_decode_steps``. A window queued behind a grown one is granted at the base length already (only a
-    short first window is reported before more is queued)."""
+    short first window is reported before more is queued). A batch under half the one the windows grew at runs
+    ``num_decode_steps``: the load, and the host's work with it, fell."""
     from chattts_velocity.engine.scheduler import FIT_MARGIN, GROW_AT
 
     bm = BlockSpaceManager(4096, 4, 0.0)
@@ -491,27 +492,31 @@ def test_full_windows_grow_while_the_host_outlasts_them_and_shrink_back():
         sched.add(seq)
     run_step(sched)
     assert sched.full_window_steps() == 8 and run_step(sched).num_steps == 8
-    sched.fit_window(8, 0.008, 0.004)  # the host's 4 ms fit in the 8 ms window
+    sched.fit_window(8, 0.008, 0.004, 2)  # the host's 4 ms fit in the 8 ms window
     assert sched.fitted_steps == 8
-    sched.fit_window(8, 0.008, 0.011)  # a little slower than the window: below GROW_AT, unchanged
+    sched.fit_window(8, 0.008, 0.011, 2)  # a little slower than the window: below GROW_AT, unchanged
     assert GROW_AT * 0.008 > 0.011 and sched.fitted_steps == 8
-    sched.fit_window(8, 0.008, 0.012)  # 12 ms against 8: 15 steps of 1 ms with the margin
+    sched.fit_window(8, 0.008, 0.012, 2)  # 12 ms against 8: 15 steps of 1 ms with the margin
     assert sched.fitted_steps == 15 == round(FIT_MARGIN * 12)
     assert run_step(sched).num_steps == 15 and sched.window_steps(2) == 15
-    sched.fit_window(15, 0.015, 0.012)  # covered with the margin: stays
+    sched.fit_window(15, 0.015, 0.012, 2)  # covered with the margin: stays
     assert sched.fitted_steps == 15
-    sched.fit_window(15, 0.015, 0.1)  # far behind: doubled at most, then the cap
+    sched.fit_window(15, 0.015, 0.1, 2)  # far behind: doubled at most, then the cap
     assert sched.fitted_steps == 30
-    sched.fit_window(30, 0.030, 0.1)
+    sched.fit_window(30, 0.030, 0.1, 2)
     assert sched.fitted_steps == 32
     assert sched.continue_window(seqs, 8) == 32  # behind a base-length window: granted the grown one
     assert sched.continue_window(seqs, 7) == 0  # a short window is still reported first
-    sched.fit_window(32, 0.032, 0.016)  # the host keeps up again: 20 steps cover it
+    assert sched.fitted_batch == 2 and sched.window_steps(1) == 32  # half the batch it grew at: still grown
+    sched.fitted_batch = 3
+    assert sched.window_steps(1) == 8 and sched.window_steps(2) == 32  # under half: the load fell, no growth
+    sched.fitted_batch = 2
+    sched.fit_window(32, 0.032, 0.016, 2)  # the host keeps up again: 20 steps cover it
     assert sched.fitted_steps == 20
-    sched.fit_window(20, 0.020, 0.001)
+    sched.fit_window(20, 0.020, 0.001, 2)
     assert sched.fitted_steps == 8
-    sched.fit_window(8, 0.0, 1.0)  # nothing measured: unchanged
+    sched.fit_window(8, 0.0, 1.0, 2)  # nothing measured: unchanged
     assert sched.fitted_steps == 8
     fixed = Scheduler(bm, 64, 4096, num_decode_steps=8)  # max_decode_steps None: never grows
-    fixed.fit_window(8, 0.008, 1.0)
+    fixed.fit_window(8, 0.008, 1.0, 2)
     assert fixed.fitted_steps == 8

@@ -304,7 +304,7 @@ class LLMEngine:
             return
         device_s = window.device_s()
         if device_s is not None:
-            self.scheduler.fit_window(window.num_steps, device_s, host_s)
+            self.scheduler.fit_window(window.num_steps, device_s, host_s, len(window.seqs))
 
     def _count(self, plan) -> None:
         t = self._totals

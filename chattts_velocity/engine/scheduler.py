@@ -87,6 +87,9 @@ class Scheduler:
         """``EngineConfig.max_decode_steps``: the most steps ``fit_window`` grows a full window to."""
         self.fitted_steps = num_decode_steps
         """Steps of a full window now (``fit_window``): ``num_decode_steps`` up to ``max_decode_steps``."""
+        self.fitted_batch = 0
+        """The batch of the window that last grew ``fitted_steps``: a batch under half of it (the load fell, and
+        with it the audio rounds' work) runs ``num_decode_steps`` (``full_window_steps``)."""
         self.window_stops = window_stops
         """``EngineConfig.window_stops``: where the youngest audio sequence's window ends (``next_stop``)."""
         self.window_stop_budget_s = None if window_stop_budget_ms is None else window_stop_budget_ms / 1e3
@@ -138,7 +141,7 @@ class Scheduler:
         for i, stop in enumerate(self.window_stops):
             if stop > n:
                 budget = self.window_stop_budget_s
-                if i and budget is not None and self.full_window_steps() * self.step_s <= budget:
+                if i and budget is not None and self.full_window_steps(len(seqs)) * self.step_s <= budget:
                     return None  # a full window still ends before the first chunk has played
                 return stop - n
         return None
@@ -183,19 +186,21 @@ class Scheduler:
         text = scheduled[0].seq.text_mode
         return all(_is_decode(item) and item.seq.text_mode == text for item in scheduled)
 
-    def full_window_steps(self) -> int:
-        """Steps of a full decode window: ``fitted_steps``, fewer where that many steps of ``step_s`` would
+    def full_window_steps(self, batch: int | None = None) -> int:
+        """Steps of a full decode window (of ``batch`` sequences): ``fitted_steps`` (``num_decode_steps`` for a
+        batch under half of ``fitted_batch``), fewer where that many steps of ``step_s`` would
         outlast ``window_budget_s``, but never fewer than two: a single step is no window, and without windows
         ``step_s`` would not be measured again when the steps get faster."""
-        k = self.fitted_steps
+        k = self.fitted_steps if batch is None or 2 * batch >= self.fitted_batch else self.num_decode_steps
         if self.window_budget_s is not None and self.step_s > 0:
             k = min(k, max(2, int(self.window_budget_s / self.step_s + 1e-9)))  # (1e-9: 0.15 / 0.025 is 5.999...)
         return k
 
-    def fit_window(self, steps: int, device_s: float, host_s: float) -> None:
-        """Size the next full windows to the host: a window of ``steps`` steps queued behind another ran
-        ``device_s`` on the device while the host worked ``host_s`` (reading the window before it, the reports,
-        the audio rounds) before it came back for it, and the device idled for the difference. Where the host
+    def fit_window(self, steps: int, device_s: float, host_s: float, batch: int) -> None:
+        """Size the next full windows to the host: a window of ``steps`` steps of ``batch`` sequences, queued
+        behind another, ran ``device_s`` on the device while the host worked ``host_s`` (reading the window
+        before it, the reports, the audio rounds) before it came back for it, and the device idled for the
+        difference. Where the host
         took ``GROW_AT`` times the window or longer, the full windows grow to cover its work with ``FIT_MARGIN``
         to spare (at most doubling at once, up to ``max_decode_steps``); where they cover it with more than that
         to spare, they shrink as far, never below ``num_decode_steps``. In between they stay: a window that
@@ -204,7 +209,9 @@ class Scheduler:
             return
         want = math.ceil(FIT_MARGIN * host_s * steps / device_s)
         if host_s >= GROW_AT * device_s:
-            self.fitted_steps = max(self.fitted_steps, min(want, 2 * self.fitted_steps, self.max_decode_steps))
+            grown = min(want, 2 * self.fitted_steps, self.max_decode_steps)
+            if grown > self.fitted_steps:
+                self.fitted_steps, self.fitted_batch = grown, batch
         elif want < self.fitted_steps:
             self.fitted_steps = max(self.num_decode_steps, want)
 
@@ -214,7 +221,7 @@ class Scheduler:
         in: one waits, or one was added since the last window was sized, unless a ``backlog`` waits for running
         slots. A window that no arrival waits for runs whole: each window's end costs a server its report and
         audio round, so a large batch's capped windows deliver less audio (docs/perf/serve.md)."""
-        k = self.full_window_steps()
+        k = self.full_window_steps(batch)
         if (self.max_window_tokens is not None and (self.waiting or self._num_added != self._sized_at)
                 and not (self.backlog is not None and self.backlog())):
             k = min(k, max(MIN_CAPPED_STEPS, self.max_window_tokens // batch))
