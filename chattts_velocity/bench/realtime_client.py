@@ -23,9 +23,11 @@ ANSWER = ("Sure, here is what I found about your question.",
           "Let me know if you would like me to book a seat for you.")
 KV_POLL_S = 0.02
 """How often the probe reads ``chattts_kv_blocks_used`` from ``/metrics`` after its cancels."""
-PROBE_SENTENCES = 8
-"""At least this many sentences in a probe context: more than a context generates at once, so that its blocks are
-still in use when it is cancelled at its first audio."""
+PROBE_SENTENCES = 32
+"""At least this many sentences in a probe context: several times what a context generates at once (a server's
+``in_flight_sentences``, 4 by default), so that its blocks are still in use when it is cancelled at its first
+audio, even on a small model whose next sentences may all finish within the probe's read of ``/metrics`` on a
+busy machine."""
 CLOSE_S = 10.0
 """How long a socket waits for the server to close it after ``session.close``."""
 
