@@ -293,7 +293,8 @@ def test_pipelined_windows_grow_while_the_host_outlasts_them(chat, make_engine, 
 
     def generate(step_device_s: float, host_s: float, max_steps: int | None) -> tuple[list, list[int]]:
         monkeypatch.setattr(LaunchedStep, "device_s", lambda self: step_device_s * self.num_steps)
-        engine = make_engine(num_decode_steps=4, max_decode_steps=max_steps, window_stops=(), pipeline_decode=True)
+        engine = make_engine(num_decode_steps=4, max_decode_steps=max_steps, window_stops=(), window_budget_ms=None,
+                             pipeline_decode=True)  # no budget: a slow machine's steps would cap the windows
         behind = []
         record_windows(engine, lambda w, continuing: continuing and behind.append(w.num_steps))
         for i, text in enumerate(texts):
