@@ -363,7 +363,7 @@ class AudioPump:
         gap = self.pace.gap_s(feeds_open)
         unstarted = {id(feed): feed._unstarted() if self.safe_start else {} for feed in live}
         starting = sum(map(len, unstarted.values()))
-        known = not starting or self.pace.knows(feeds_open)
+        known = self.pace.knows(feeds_open)
         ready = {id(feed): feed._ready(unstarted[id(feed)], gap, starting, known) for feed in live}
         paced = now - self._last_decode < self.round_interval_s
         full = not paced and not (hurry and self.deadlines)

@@ -54,8 +54,8 @@ class EngineConfig:
     ``num_decode_steps`` the device would idle between them (hundreds of in-process streams: docs/perf/). The
     engine measures both for every window queued behind another, and where the host's part is clearly the
     longer (``scheduler.GROW_AT``) the next full windows grow to cover it (``Scheduler.fit_window``); they
-    shrink back, never below ``num_decode_steps``, once the host keeps up. Equal to ``num_decode_steps``: windows never grow; None: twice ``num_decode_steps``. CUDA only
-    (pipelined windows)."""
+    shrink back, never below ``num_decode_steps``, once the host keeps up. Equal to ``num_decode_steps``: windows
+    never grow; None: twice ``num_decode_steps``. CUDA only (pipelined windows)."""
     window_budget_ms: float | None = 300.0
     """Longest a full decode window should run, at the step time of the latest decode window: fewer than
     ``num_decode_steps`` steps where steps are slow (the CPU's), never fewer than two. A stream's audio comes

@@ -19,7 +19,6 @@ presence makes steps fail is found and failed alone. Pure Python: no torch."""
 from __future__ import annotations
 
 import math
-
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -200,11 +199,11 @@ class Scheduler:
         """Size the next full windows to the host: a window of ``steps`` steps of ``batch`` sequences, queued
         behind another, ran ``device_s`` on the device while the host worked ``host_s`` (reading the window
         before it, the reports, the audio rounds) before it came back for it, and the device idled for the
-        difference. Where the host
-        took ``GROW_AT`` times the window or longer, the full windows grow to cover its work with ``FIT_MARGIN``
-        to spare (at most doubling at once, up to ``max_decode_steps``); where they cover it with more than that
-        to spare, they shrink as far, never below ``num_decode_steps``. In between they stay: a window that
-        changes length is one the device may idle before, and a small idle costs less."""
+        difference. Where the host took ``GROW_AT`` times the window or longer, the full windows grow to cover
+        its work with ``FIT_MARGIN`` to spare (at most doubling at once, up to ``max_decode_steps``); where they
+        cover it with more than that to spare, they shrink as far, never below ``num_decode_steps``. In between
+        they stay: a window that changes length is one the device may idle before, and a small idle costs
+        less."""
         if steps < 1 or device_s <= 0:
             return
         want = math.ceil(FIT_MARGIN * host_s * steps / device_s)
