@@ -1,5 +1,5 @@
 """GPU probe at the GPT's shapes (``--parts fused gemv prefetch attention
-attention_sweep audio``): the fused decode linears vs the unfused ops (cuBLAS), the one-row GEMV (config sweep) vs the skinny GEMM at batch 1, decode attention by split count and by tile/warps, and the wav decode in fp32 /
+attention_sweep attention_splits audio``): the fused decode linears vs the unfused ops (cuBLAS), the one-row GEMV (config sweep) vs the skinny GEMM at batch 1, decode attention by split count, by tile/warps and by split length at small batches, and the wav decode in fp32 /
 TF32 / bf16 / fp16. Each kernel timing replays a CUDA graph of 20 launches over 20 distinct operands (like 20
 layers, so nothing stays in L2); medians of 30 replays."""
 
@@ -293,6 +293,47 @@ def attention_sweep(dtype) -> None:
                           f"{bytes_ / us / 1e3:7.1f} GB/s", flush=True)
 
 
+def attention_splits(dtype) -> None:
+    """The decode attention's flash-decoding splits at small batches (the engine's dispatch, a 4096-token block
+    table as a CUDA graph replays it) by split length, against wide unsplit tiles, over several contexts."""
+    from chattts_velocity.kernels._triton import decode_attention as dec
+    from chattts_velocity.kernels.attention import paged_decode_attention_ref
+
+    print("\n== decode attention at small batches: split tokens (4 warps) / unsplit (tile, warps), us per call ==")
+    heads, dim, bs, width = 12, 64, 16, 256
+    default = dec._SPLIT_TOKENS, dec._LONG_SPLIT_ROWS
+    dec._LONG_SPLIT_ROWS = 16
+    for batch in (1, 2, 4, 8, 16):
+        for ctx in (100, 286, 536, 1000):
+            nblk = -(-ctx // bs)
+            caches = [(torch.randn(batch * nblk, bs, heads, dim, device="cuda", dtype=dtype),
+                       torch.randn(batch * nblk, bs, heads, dim, device="cuda", dtype=dtype)) for _ in range(20)]
+            q = torch.randn(batch, heads, dim, device="cuda", dtype=dtype)
+            table = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+            table[:, :nblk] = torch.randperm(batch * nblk, device="cuda").to(torch.int32).view(batch, nblk)
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+            ref = paged_decode_attention_ref(q, *caches[0], table, lens, 0.125).float()
+            cells = []
+            for tokens in (64, 128, 256):
+                dec._SPLIT_TOKENS = tokens
+                err = (dec.paged_decode_attention_triton(q, *caches[0], table, lens, 0.125, None).float() - ref)
+                us = graph_time(lambda: [dec.paged_decode_attention_triton(q, kc, vc, table, lens, 0.125, None)
+                                         for kc, vc in caches]) / 20 * 1e3
+                cells.append(f"split {tokens}: {us:5.2f}" + (" (wrong)" if err.abs().max() > 1e-2 else ""))
+            dec._SPLIT_TOKENS = default[0]
+            out = torch.empty_like(q)
+            for block_n, warps in ((256, 4), (512, 8)):
+                def fn(block_n=block_n, warps=warps):
+                    for kc, vc in caches:
+                        dec._decode_kernel[(batch, heads, 1)](
+                            q, kc, vc, table, lens, out, out, out, 0.125 * dec._LOG2E, q.stride(0), q.stride(1),
+                            table.stride(0), width * bs, heads, 1, BLOCK_SIZE=bs, HEAD_DIM=dim, BLOCK_N=block_n,
+                            SPLIT=False, PDL=False, num_warps=warps)
+                cells.append(f"unsplit {block_n}/{warps}: {graph_time(fn) / 20 * 1e3:5.2f}")
+            print(f"b={batch:2d} ctx={ctx:4d}  " + "  ".join(cells), flush=True)
+    dec._LONG_SPLIT_ROWS = default[1]
+
+
 def audio_probe() -> None:
     from chattts_velocity.audio import AudioDecoder
     from chattts_velocity.model.loader import ModelLoader
@@ -345,6 +386,8 @@ def main() -> None:
         attention_probe(torch.float16)
     if "attention_sweep" in args.parts:
         attention_sweep(torch.float16)
+    if "attention_splits" in args.parts:
+        attention_splits(torch.float16)
     if "audio" in args.parts:
         audio_probe()
 

@@ -18,10 +18,14 @@ from ._launch import pdl_launch, sm_count
 from .paged import kv_offsets
 
 _LOG2E = 1.4426950408889634
-# Fewer (sequence, head) pairs than this many per SM get flash-decoding splits of one tile each: at batch 1 short
-# one-tile splits beat longer splits and no split, and in large batches splitting only added time
-# (`benchmarks/kernel_probe.py`; docs/perf/).
+# Fewer (sequence, head) pairs than this many per SM get flash-decoding splits of one tile each (in large batches
+# splitting only added time). Up to _LONG_SPLIT_ROWS sequences a split's tile is _SPLIT_TOKENS tokens on four
+# warps: at 1 to 8 sequences and contexts of 100 to 1,000 tokens it beat 64-token splits in all but the shorter
+# contexts of 2 sequences, and wide unsplit tiles at the longer contexts; more sequences keep 64-token splits
+# (`benchmarks/kernel_probe.py --parts attention_splits`; docs/perf/).
 _PROGRAMS_PER_SM = 2
+_SPLIT_TOKENS = 256
+_LONG_SPLIT_ROWS = 8
 
 
 @triton.jit
@@ -114,7 +118,9 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
         # Too few (sequence, head) pairs to fill the GPU: one KV tile per program. The grid covers the table
         # width, so it suits every context a CUDA graph replays it with; programs past a context return at once.
         few = q.is_cuda and batch * num_heads < _PROGRAMS_PER_SM * sm_count(q.device)
-        if not few and q.is_cuda:
+        if few and batch <= _LONG_SPLIT_ROWS:
+            block_n = _SPLIT_TOKENS
+        elif not few and q.is_cuda:
             block_n, num_warps = 128, 1
         split_len = block_n if few else max_context
     else:
