@@ -8,6 +8,7 @@ extras, Ray, Gradio) are imported when their command runs, so the others work wi
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 
@@ -53,13 +54,35 @@ def _weights(args: argparse.Namespace) -> dict:
     return model_load(args.model, args.dummy, args.source, args.device)
 
 
+SERVER_MODULES = {"fastapi": ("fastapi",), "uvicorn": ("uvicorn",), "prometheus-client": ("prometheus_client",),
+                  "python-multipart": ("python_multipart", "multipart")}
+"""What the server imports or needs before it answers (package -> the module names it installs, any one will
+do). PyAV, the extras' fifth, is only needed by the mp3, opus, aac and flac encoders, which say so themselves."""
+
+
+def missing_server_packages() -> list[str]:
+    """The packages of ``SERVER_MODULES`` this environment lacks (FastAPI finds a missing python-multipart only
+    when it builds the app, after the model has loaded)."""
+    return [pkg for pkg, modules in SERVER_MODULES.items() if not any(map(_importable, modules))]
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a module without a spec
+        return False
+
+
 def _serve(args: argparse.Namespace) -> int:
     settings = serve_settings(args)
+    extras = 'pip install -e ".[server]" from a clone, or "chattts-velocity[server]" from an index'
+    if missing := missing_server_packages():
+        raise ValueError(f"the server needs its extras, and {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not installed: {extras}")
     try:
         from .server.run import launch
     except ImportError as e:
-        raise ValueError(f"the server needs its extras: pip install -e \".[server]\" from a clone, or "
-                         f"\"chattts-velocity[server]\" from an index ({e})") from None
+        raise ValueError(f"the server needs its extras: {extras} ({e})") from None
     return launch(settings)
 
 

@@ -31,3 +31,33 @@ def test_every_install_hint_names_the_clone_form():
                     hints.append((path.relative_to(ROOT), extra))
                     assert f'pip install -e ".[{extra}]"' in text, f"{path.relative_to(ROOT)}: {text!r}"
     assert {extra for _, extra in hints} >= {"server", "scale", "webui"}
+
+
+def test_the_server_checks_its_packages_before_it_loads_a_model(monkeypatch, capsys, tmp_path):
+    """A missing python-multipart (which FastAPI finds only when it builds the app, after the model loaded)
+    stops ``serve`` at once, naming the package and the extra."""
+    import importlib.util
+
+    from chattts_velocity import cli
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        return None if name in ("python_multipart", "multipart") else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert cli.missing_server_packages() == ["python-multipart"]
+    code = cli.main(["serve", "--model", str(tmp_path / "no-such-checkpoint")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "python-multipart is not installed" in err and 'pip install -e ".[server]"' in err, err
+
+
+def test_the_servers_package_check_covers_the_server_extra():
+    import tomllib
+
+    from chattts_velocity.cli import SERVER_MODULES
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["server"]
+    names = {re.split(r"[\[<>=]", dep)[0] for dep in extra}
+    assert set(SERVER_MODULES) == names - {"av"}  # PyAV: only the compressed formats' encoders need it
