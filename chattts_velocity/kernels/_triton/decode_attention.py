@@ -111,8 +111,8 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     # The block table's width bounds every context without reading context_lens back from the GPU.
     max_context = max(block_tables.shape[1] * block_size, 1)
     # (tile, warps): long unsplit ranges stream best in wide tiles on one warp (`benchmarks/kernel_probe.py`;
-    # docs/perf/); one-tile splits keep the 64-token tile. The interpreter runs small tiles so tiny test
-    # contexts still cross several of them.
+    # docs/perf/); one-tile splits take _SPLIT_TOKENS-token tiles up to _LONG_SPLIT_ROWS sequences, else 64.
+    # The interpreter runs small tiles so tiny test contexts still cross several of them.
     block_n, num_warps = (64, 4) if q.is_cuda else (16, 4)
     if num_splits is None:
         # Too few (sequence, head) pairs to fill the GPU: one KV tile per program. The grid covers the table
