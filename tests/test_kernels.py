@@ -751,3 +751,22 @@ def test_the_decode_attention_launches_early_where_the_linears_load_their_weight
     assert launches_early(1) and not launches_early(2)
     monkeypatch.setenv("CHATTTS_VELOCITY_PREFETCH_ROWS", "16")
     assert launches_early(16) and not launches_early(17)
+
+
+def test_the_decode_attention_splits_by_batch_and_gpu_size() -> None:
+    """On a GPU of 132 SMs: 256-token splits on four warps up to 8 sequences, 64-token splits while the batch
+    still has fewer than 2 (sequence, head) pairs an SM, then one unsplit range a pair on wide one-warp tiles;
+    a given split count keeps 64-token tiles; the interpreter (0 SMs) runs 16-token tiles, unsplit."""
+    from chattts_velocity.kernels._triton.decode_attention import split_plan
+
+    table = 4096
+    assert split_plan(1, 12, table, None, 132) == (256, 4, 256)
+    assert split_plan(8, 12, table, None, 132) == (256, 4, 256)
+    assert split_plan(9, 12, table, None, 132) == (64, 4, 64)
+    assert split_plan(21, 12, table, None, 132) == (64, 4, 64)  # 252 pairs < 264
+    assert split_plan(22, 12, table, None, 132) == (128, 1, table)
+    assert split_plan(256, 12, table, None, 132) == (128, 1, table)
+    assert split_plan(8, 12, table, None, 16) == (128, 1, table)  # a small GPU is full sooner
+    assert split_plan(2, 12, table, 3, 132) == (64, 4, 1408)  # ceil(4096 / 3) up to a 64-token tile
+    assert split_plan(2, 4, 100, None, 0) == (16, 4, 100)
+    assert split_plan(2, 4, 100, 4, 0) == (16, 4, 32)

@@ -104,27 +104,35 @@ def launches_early(batch: int) -> bool:
     return batch == 1 or batch <= linear.prefetch_rows()
 
 
+def split_plan(batch: int, num_heads: int, max_context: int, num_splits: int | None, sms: int
+               ) -> tuple[int, int, int]:
+    """(tile tokens, warps, split tokens) of the decode attention over a block table of ``max_context`` tokens:
+    ``num_splits`` given, that many splits of 64-token tiles; None, splits of one tile each where the batch has
+    too few (sequence, head) pairs for the ``sms`` SMs, else one unsplit range a pair. ``sms`` 0: the Triton
+    interpreter, whose small tiles let tiny test contexts still cross several of them."""
+    # (tile, warps): long unsplit ranges stream best in wide tiles on one warp (`benchmarks/kernel_probe.py`;
+    # docs/perf/); one-tile splits take _SPLIT_TOKENS-token tiles up to _LONG_SPLIT_ROWS sequences, else 64.
+    block_n, num_warps = (64, 4) if sms else (16, 4)
+    if num_splits is not None:
+        return block_n, num_warps, triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    # Too few pairs to fill the GPU: one KV tile per program. The grid covers the table width, so it suits every
+    # context a CUDA graph replays it with; programs past a context return at once.
+    few = batch * num_heads < _PROGRAMS_PER_SM * sms
+    if few and batch <= _LONG_SPLIT_ROWS:
+        block_n = _SPLIT_TOKENS
+    elif not few and sms:
+        block_n, num_warps = 128, 1
+    return block_n, num_warps, block_n if few else max_context
+
+
 def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                                   context_lens: Tensor, scale: float, num_splits: int | None) -> Tensor:
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     # The block table's width bounds every context without reading context_lens back from the GPU.
     max_context = max(block_tables.shape[1] * block_size, 1)
-    # (tile, warps): long unsplit ranges stream best in wide tiles on one warp (`benchmarks/kernel_probe.py`;
-    # docs/perf/); one-tile splits take _SPLIT_TOKENS-token tiles up to _LONG_SPLIT_ROWS sequences, else 64.
-    # The interpreter runs small tiles so tiny test contexts still cross several of them.
-    block_n, num_warps = (64, 4) if q.is_cuda else (16, 4)
-    if num_splits is None:
-        # Too few (sequence, head) pairs to fill the GPU: one KV tile per program. The grid covers the table
-        # width, so it suits every context a CUDA graph replays it with; programs past a context return at once.
-        few = q.is_cuda and batch * num_heads < _PROGRAMS_PER_SM * sm_count(q.device)
-        if few and batch <= _LONG_SPLIT_ROWS:
-            block_n = _SPLIT_TOKENS
-        elif not few and q.is_cuda:
-            block_n, num_warps = 128, 1
-        split_len = block_n if few else max_context
-    else:
-        split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    sms = sm_count(q.device) if q.is_cuda else 0
+    block_n, num_warps, split_len = split_plan(batch, num_heads, max_context, num_splits, sms)
     num_splits = triton.cdiv(max_context, split_len)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a view
     split = num_splits > 1
