@@ -333,6 +333,28 @@ def test_serve_bench_fails_at_once_when_a_client_process_dies():
         gather_parts(out, [alive], timeout_s=0)
 
 
+def test_serve_bench_stops_when_its_warm_up_gets_nothing_through(capsys):
+    """No server at the address: ``bench serve`` says so and exits 2 (it printed a table of NaNs and a
+    client-bound warning, exit 0); a warm-up with any success goes on, one refused by status names it."""
+    import socket
+
+    from chattts_velocity.bench.serve import check_warm_up
+
+    with socket.socket() as s:  # a port nothing listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--streams", "2", "--requests-per-stream",
+                 "1", "--json", ""])
+    err = capsys.readouterr().err
+    assert code == 2 and f"no speech request to http://127.0.0.1:{port} succeeded" in err, err
+    assert "Connection" in err, err
+    check_warm_up({"failures": 1, "requests": 2, "errors": [], "statuses": ["200", "503"]}, "http://x")
+    with pytest.raises(ValueError, match="HTTP status 401"):
+        check_warm_up({"failures": 2, "requests": 2, "errors": [], "statuses": ["401"]}, "http://x")
+    with pytest.raises(ValueError, match="a response without audio"):
+        check_warm_up({"failures": 1, "requests": 1, "errors": [], "statuses": ["200"]}, "http://x")
+
+
 def test_cpu_speed_times_the_audio_rounds_both_ways():
     """``benchmarks/cpu_speed.py --parts rounds`` (run as a script, so it keeps up with the pump's signatures):
     host ms a round for feeds woken every round and for feeds woken only with audio, at each streams count."""

@@ -227,13 +227,16 @@ def format_table(rows: list[dict]) -> str:
 def run_and_report(cfg: ServeBenchConfig) -> dict:
     warm = replace(cfg, requests_per_stream=1)
     for n in sorted({1, min(8, max(cfg.streams))}):  # untimed: connections, and whatever the server warms lazily
-        _level(warm, n)
+        check_warm_up(_level(warm, n), cfg.url)
     rows = [_level(cfg, n) for n in cfg.streams]
     report = {"config": asdict(cfg), "rows": rows}
     print(f"server {cfg.url}, pcm streaming, {cfg.requests_per_stream} request(s) per client")
     print(format_table(rows))
     for r in rows:
-        if r["client_cpu_s"] > CLIENT_BOUND * r["wall_s"]:
+        if r["failures"]:
+            print(f"warning: at {r['streams']} streams {r['failures']} of {r['requests']} requests failed: "
+                  f"{_why(r)}")
+        if r["failures"] < r["requests"] and r["client_cpu_s"] > CLIENT_BOUND * r["wall_s"]:
             print(f"warning: at {r['streams']} streams a client process was busy {r['client_cpu_s']:.1f} s of "
                   f"{r['wall_s']:.1f} s: the client may be the bottleneck, and the numbers understate the server "
                   "(lower --streams-per-process)")
@@ -243,6 +246,22 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
     if cfg.plot_path:
         _plot(rows, cfg.plot_path)
     return report
+
+
+def check_warm_up(row: dict, url: str) -> None:
+    """Stop a bench whose untimed warm-up got no request through (no server there, a wrong key, an engine that
+    is gone): its levels would only count failures."""
+    if row["failures"] < row["requests"]:
+        return
+    raise ValueError(f"no speech request to {url} succeeded ({row['failures']} tried): {_why(row)}")
+
+
+def _why(row: dict) -> str:
+    """A level's first error, or the HTTP statuses of its failed requests."""
+    if row["errors"]:
+        return row["errors"][0]
+    refused = [s for s in row["statuses"] if s != "200"]
+    return f"HTTP status {', '.join(refused)}" if refused else "a response without audio"
 
 
 def _plot(rows: list[dict], path: str) -> None:
