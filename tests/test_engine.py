@@ -690,9 +690,15 @@ def test_text_windows_match_single_steps_and_the_reference(chat, make_engine, pa
     assert_matches_reference(chat, [out], [text_prompt(chat, texts[0])], [argmax])
 
 
-def test_prompt_ids_are_checked_against_their_kind(make_engine):
+@pytest.mark.parametrize("host", ["numpy", "lists"])
+def test_prompt_ids_are_checked_against_their_kind(make_engine, monkeypatch, host):
     """A prompt's text positions take text ids, its audio positions audio codes; either out of range is a
-    ``ValueError`` naming the kind (the check runs on Python lists, not tensor ops)."""
+    ``ValueError`` naming the kind (the check runs in numpy, or on Python lists for tensors numpy cannot read
+    (on a GPU), never as tensor ops)."""
+    from chattts_velocity.engine import validation
+
+    if host == "lists":
+        monkeypatch.setattr(validation, "_host_array", lambda vec: None)
     engine = make_engine()
     cfg = engine.model_config
     mask = torch.tensor([True, True, False])

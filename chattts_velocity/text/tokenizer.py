@@ -26,6 +26,10 @@ class Tokenizer:
                 "(the checkpoint's asset/tokenizer folder)"
             )
         self._tokenizer = BertTokenizerFast.from_pretrained(path)
+        backend = self._tokenizer.backend_tokenizer
+        # the Rust tokenizer itself where it neither truncates nor pads (what the Hugging Face call makes it do):
+        # the same ids without the wrapper's Python, which a server's front pays for every sentence
+        self._backend = backend if backend.truncation is None and backend.padding is None else None
         self.len = len(self._tokenizer)
         self.spk_emb_ids = self._tokenizer.convert_tokens_to_ids("[spk_emb]")
         self.break_0_ids = self._tokenizer.convert_tokens_to_ids("[break_0]")
@@ -33,6 +37,8 @@ class Tokenizer:
 
     def ids(self, text: str) -> list[int]:
         """Token ids of ``text``, without [CLS]/[SEP]."""
+        if self._backend is not None and isinstance(text, str):
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self._tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def count(self, text: str) -> int:
