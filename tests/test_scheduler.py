@@ -433,26 +433,26 @@ def test_a_full_window_of_slow_steps_is_cut_to_the_window_budget():
     for seq in seqs:
         sched.add(seq)
     run_step(sched)  # the prompts
-    assert sched.full_window_steps() == 32  # nothing measured yet
+    assert sched.full_window_steps(len(seqs)) == 32  # nothing measured yet
     assert run_step(sched).num_steps == 15  # the first stop, as without a budget
     sched.step_s = 0.004  # 128 ms for 32 steps: within the budget
-    assert sched.full_window_steps() == 32 and sched.next_stop(seqs) == 8  # a later stop: 128 ms > 50 ms
+    assert sched.full_window_steps(len(seqs)) == 32 and sched.next_stop(seqs) == 8  # a later stop: 128 ms > 50 ms
     sched.step_s = 0.025  # a slow step: 6 fit in 150 ms
-    assert sched.full_window_steps() == 6 and sched.window_steps(3) == 6
+    assert sched.full_window_steps(len(seqs)) == 6 and sched.window_steps(3) == 6
     assert sched.next_stop(seqs) == 8  # 6 steps take 150 ms: the second chunk's stop still applies
     assert run_step(sched).num_steps == 6  # the budget ends the window before the stop
     assert sched.next_stop(seqs) == 2 and run_step(sched).num_steps == 2  # then the stop
     assert sched.next_stop(seqs) is None and run_step(sched).num_steps == 6  # past the stops: a budget window
     assert sched.continue_window(seqs, 6) == 6
     sched.step_s = 0.008  # 32 steps would take 256 ms: 18 of them
-    assert sched.full_window_steps() == 18
+    assert sched.full_window_steps(len(seqs)) == 18
     sched.step_s = 0.005  # exactly 30 steps fit
-    assert sched.full_window_steps() == 30
+    assert sched.full_window_steps(len(seqs)) == 30
     sched.step_s = 0.2  # slower than the budget: two steps, still a window whose step time is measured
-    assert sched.full_window_steps() == 2 and run_step(sched).num_steps == 2
+    assert sched.full_window_steps(len(seqs)) == 2 and run_step(sched).num_steps == 2
     unbounded = Scheduler(bm, 64, 4096, num_decode_steps=32, window_budget_ms=None)
     unbounded.step_s = 0.2
-    assert unbounded.full_window_steps() == 32
+    assert unbounded.full_window_steps(3) == 32
 
 
 def test_a_later_window_stop_applies_only_when_a_full_window_would_outlast_the_budget():
@@ -491,7 +491,7 @@ def test_full_windows_grow_while_the_host_outlasts_them_and_shrink_back():
     for seq in seqs:
         sched.add(seq)
     run_step(sched)
-    assert sched.full_window_steps() == 8 and run_step(sched).num_steps == 8
+    assert sched.full_window_steps(len(seqs)) == 8 and run_step(sched).num_steps == 8
     sched.fit_window(8, 0.008, 0.004, 2)  # the host's 4 ms fit in the 8 ms window
     assert sched.fitted_steps == 8
     sched.fit_window(8, 0.008, 0.011, 2)  # a little slower than the window: below GROW_AT, unchanged

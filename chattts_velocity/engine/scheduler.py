@@ -185,12 +185,12 @@ class Scheduler:
         text = scheduled[0].seq.text_mode
         return all(_is_decode(item) and item.seq.text_mode == text for item in scheduled)
 
-    def full_window_steps(self, batch: int | None = None) -> int:
+    def full_window_steps(self, batch: int) -> int:
         """Steps of a full decode window (of ``batch`` sequences): ``fitted_steps`` (``num_decode_steps`` for a
         batch under half of ``fitted_batch``), fewer where that many steps of ``step_s`` would
         outlast ``window_budget_s``, but never fewer than two: a single step is no window, and without windows
         ``step_s`` would not be measured again when the steps get faster."""
-        k = self.fitted_steps if batch is None or 2 * batch >= self.fitted_batch else self.num_decode_steps
+        k = self.fitted_steps if 2 * batch >= self.fitted_batch else self.num_decode_steps
         if self.window_budget_s is not None and self.step_s > 0:
             k = min(k, max(2, int(self.window_budget_s / self.step_s + 1e-9)))  # (1e-9: 0.15 / 0.025 is 5.999...)
         return k

@@ -41,20 +41,16 @@ def check_prompt(cfg, prompt: Prompt) -> tuple[list[tuple[int, ...]], list[bool]
     if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape[:1] or mask.dtype != torch.bool:
         raise ValueError(f"prompt.text_mask must be a bool tensor [{ids.size(0)}], got "
                          f"{getattr(mask, 'shape', type(mask).__name__)}")
-    # checked in numpy (or on Python lists where numpy cannot read the tensor): each torch call would let go of
-    # the GIL and wait to take it back, which a busy server's request threads pay dearly (see ``text.speaker``)
-    host_ids, host_mask = _host_array(ids), _host_array(mask)
-    if host_ids is not None and host_mask is not None:
-        rows, is_text = host_ids.tolist(), host_mask.tolist()
-        for name, part, limit in (("text", host_ids[host_mask], cfg.num_text_tokens),
-                                  ("audio", host_ids[~host_mask], cfg.num_audio_tokens)):
-            if part.size and (part.min() < 0 or part.max() >= limit):
-                raise ValueError(f"prompt has {name} ids outside [0, {limit})")
-    else:
-        rows, is_text = ids.tolist(), mask.tolist()
-        for name, text, limit in (("text", True, cfg.num_text_tokens), ("audio", False, cfg.num_audio_tokens)):
-            if any(t is text and (min(row) < 0 or max(row) >= limit) for row, t in zip(rows, is_text, strict=True)):
-                raise ValueError(f"prompt has {name} ids outside [0, {limit})")
+    # checked in numpy (a tensor numpy cannot read, as on a GPU, through one list): each torch call would let
+    # go of the GIL and wait to take it back, which a busy server's request threads pay dearly (``text.speaker``)
+    host_ids, host_mask = (_host_array(t) for t in (ids, mask))
+    host_ids = np.asarray(ids.tolist()) if host_ids is None else host_ids
+    host_mask = np.asarray(mask.tolist(), dtype=bool) if host_mask is None else host_mask
+    for name, part, limit in (("text", host_ids[host_mask], cfg.num_text_tokens),
+                              ("audio", host_ids[~host_mask], cfg.num_audio_tokens)):
+        if part.size and (part.min() < 0 or part.max() >= limit):
+            raise ValueError(f"prompt has {name} ids outside [0, {limit})")
+    rows, is_text = host_ids.tolist(), host_mask.tolist()
     spk = prompt.speaker
     if spk is not None and (not isinstance(spk, torch.Tensor) or spk.shape != (cfg.hidden_size,)
                             or not spk.is_floating_point() or not _finite(spk)):

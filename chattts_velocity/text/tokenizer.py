@@ -37,7 +37,7 @@ class Tokenizer:
 
     def ids(self, text: str) -> list[int]:
         """Token ids of ``text``, without [CLS]/[SEP]."""
-        if self._backend is not None and isinstance(text, str):
+        if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return self._tokenizer(text, add_special_tokens=False)["input_ids"]
 
