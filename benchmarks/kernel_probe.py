@@ -294,16 +294,20 @@ def attention_sweep(dtype) -> None:
 
 
 def attention_splits(dtype) -> None:
-    """The decode attention's flash-decoding splits at small batches (the engine's dispatch, a 4096-token block
-    table as a CUDA graph replays it) by split length, against wide unsplit tiles, over several contexts."""
+    """The decode attention at small batches over a 4096-token block table (as a CUDA graph replays it), over
+    several contexts: one-tile splits of the splitting kernel (tile tokens / warps, merged in the kernel, under
+    programmatic dependent launch where the engine launches it so), 256-token splits of the looping kernel with
+    a merge launch, and one unsplit range a pair (256-token tiles, 4 warps). Every cell checked against the
+    reference. What the splitting kernel's early loads save shows only between the step's other kernels."""
     from chattts_velocity.kernels._triton import decode_attention as dec
+    from chattts_velocity.kernels._triton._launch import pdl_launch
     from chattts_velocity.kernels.attention import paged_decode_attention_ref
 
-    print("\n== decode attention at small batches: split tokens (4 warps) / unsplit (tile, warps), us per call ==")
+    print("\n== decode attention at small batches, us per call ==")
     heads, dim, bs, width = 12, 64, 16, 256
-    default = dec._SPLIT_TOKENS, dec._LONG_SPLIT_ROWS
-    dec._LONG_SPLIT_ROWS = 16
-    for batch in (1, 2, 4, 8, 16):
+    table_tokens = width * bs
+    for batch in (1, 2, 4, 8, 12, 16, 21):
+        pdl = pdl_launch(torch.device("cuda") if dec.launches_early(batch) else False)
         for ctx in (100, 286, 536, 1000):
             nblk = -(-ctx // bs)
             caches = [(torch.randn(batch * nblk, bs, heads, dim, device="cuda", dtype=dtype),
@@ -313,25 +317,33 @@ def attention_splits(dtype) -> None:
             table[:, :nblk] = torch.randperm(batch * nblk, device="cuda").to(torch.int32).view(batch, nblk)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
             ref = paged_decode_attention_ref(q, *caches[0], table, lens, 0.125).float()
-            cells = []
-            for tokens in (64, 128, 256):
-                dec._SPLIT_TOKENS = tokens
-                err = (dec.paged_decode_attention_triton(q, *caches[0], table, lens, 0.125, None).float() - ref)
-                us = graph_time(lambda: [dec.paged_decode_attention_triton(q, kc, vc, table, lens, 0.125, None)
-                                         for kc, vc in caches]) / 20 * 1e3
-                cells.append(f"split {tokens}: {us:5.2f}" + (" (wrong)" if err.abs().max() > 1e-2 else ""))
-            dec._SPLIT_TOKENS = default[0]
+            counters = torch.zeros(batch * heads, dtype=torch.int32, device="cuda")
             out = torch.empty_like(q)
-            for block_n, warps in ((256, 4), (512, 8)):
-                def fn(block_n=block_n, warps=warps):
-                    for kc, vc in caches:
-                        dec._decode_kernel[(batch, heads, 1)](
-                            q, kc, vc, table, lens, out, out, out, 0.125 * dec._LOG2E, q.stride(0), q.stride(1),
-                            table.stride(0), width * bs, heads, 1, BLOCK_SIZE=bs, HEAD_DIM=dim, BLOCK_N=block_n,
-                            SPLIT=False, PDL=False, num_warps=warps)
-                cells.append(f"unsplit {block_n}/{warps}: {graph_time(fn) / 20 * 1e3:5.2f}")
+            partial, maxes, sums = dec._partials(q, table_tokens // 256)
+
+            def tiles(kc, vc, block_n, warps):
+                return dec.tile_splits(q, kc, vc, table, lens, 0.125, block_n, warps, counters, lens, pdl)
+
+            def looping(kc, vc, block_n=256, split=True):
+                grid = (batch, heads, table_tokens // block_n if split else 1)
+                dec._decode_kernel[grid](q, kc, vc, table, lens, partial if split else out, maxes, sums,
+                                         0.125 * dec._LOG2E, q.stride(0), q.stride(1), table.stride(0),
+                                         block_n if split else table_tokens, heads, 1, BLOCK_SIZE=bs,
+                                         HEAD_DIM=dim, BLOCK_N=block_n, SPLIT=split, num_warps=4, **pdl)
+                if split:
+                    dec._merge(partial, maxes, sums, out, lens, block_n, pdl)
+                return out
+
+            variants = {f"tiles {n}/{w}": lambda kc, vc, n=n, w=w: tiles(kc, vc, n, w)
+                        for n, w in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8))}
+            variants["loop 256 + merge"] = looping
+            variants["unsplit 256/4"] = lambda kc, vc: looping(kc, vc, split=False)
+            cells = []
+            for name, fn in variants.items():
+                wrong = (fn(*caches[0]).float() - ref).abs().max() > 1e-2
+                us = graph_time(lambda fn=fn: [fn(kc, vc) for kc, vc in caches]) / 20 * 1e3
+                cells.append(f"{name}: {us:5.2f}" + (" (wrong)" if wrong else ""))
             print(f"b={batch:2d} ctx={ctx:4d}  " + "  ".join(cells), flush=True)
-    dec._LONG_SPLIT_ROWS = default[1]
 
 
 def audio_probe() -> None:

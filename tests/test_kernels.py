@@ -159,6 +159,33 @@ def _check_decode(dtype: torch.dtype, device: str, context_lens: list[int], head
     _assert_close(out, K.paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale), dtype)
 
 
+EARLY_LENS = {  # what the tile-split kernel may read as context lengths before its wait, from the true ones
+    "true": lambda lens: lens,
+    "stale": lambda lens: (lens - 1).clamp(min=0),  # the step before's, as a step that has not written them yet
+    "long": lambda lens: lens + 37,  # past the context: tokens this step writes, or no one wrote
+    "garbage": lambda lens: torch.randint(-9, 10**6, lens.shape, dtype=torch.int32, device=lens.device),
+}
+
+
+def _check_tile_splits(dtype: torch.dtype, device: str, context_lens: list[int], heads: tuple[int, int],
+                       head_dim: int, block_size: int, block_n: int, num_warps: int, early: str,
+                       merge_in_kernel: bool) -> None:
+    """The one-tile splits of small decode batches, with the early context lengths right or wrong and the
+    merge in the kernel (its counters back at zero after) or a launch of its own."""
+    from chattts_velocity.kernels._triton import _launch
+    from chattts_velocity.kernels._triton.decode_attention import tile_splits
+
+    k_cache, v_cache, table = _paged_cache(context_lens, heads[1], head_dim, block_size, dtype, device)
+    q = _heads(len(context_lens), heads[0], head_dim, dtype, device, strided=True)
+    lens, scale = _int32(context_lens, device), head_dim**-0.5
+    counters = torch.zeros(q.shape[0] * q.shape[1] + 3, dtype=torch.int32, device=device)
+    pdl = _launch.pdl_launch(torch.device(device))  # on a GPU as the engine launches it
+    out = tile_splits(q, k_cache, v_cache, table, lens, scale, block_n, num_warps,
+                      counters if merge_in_kernel else None, EARLY_LENS[early](lens), pdl)
+    _assert_close(out, K.paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale), dtype)
+    assert not counters.any(), f"counters left at {counters.tolist()}"
+
+
 def _check_prefill(dtype: torch.dtype, device: str, seqs: list[tuple[int, int]], heads: tuple[int, int],
                    head_dim: int, block_size: int, strided: bool) -> None:
     """``seqs``: (q_len, context_len) per sequence."""
@@ -275,6 +302,7 @@ CHECKS = {
     "store_kv": _check_store_kv,
     "rotary_store_kv": _check_rotary_store_kv,
     "paged_decode_attention": _check_decode,
+    "tile_splits": _check_tile_splits,
     "paged_prefill_attention": _check_prefill,
     "fused_linear": _check_fused_linear,
     "fused_qkv_rotary_store": _check_qkv_rotary,
@@ -334,6 +362,13 @@ def _decode(name: str, context_lens: list[int], heads: tuple[int, int], head_dim
                                                 block_size=block_size, num_splits=num_splits, strided=strided)
 
 
+def _tile_splits(name: str, context_lens: list[int], heads: tuple[int, int], head_dim: int, block_size: int,
+                 block_n: int, early: str, merge_in_kernel: bool = True, num_warps: int = 4) -> tuple[str, str, dict]:
+    return "tile_splits", name, dict(context_lens=context_lens, heads=heads, head_dim=head_dim,
+                                     block_size=block_size, block_n=block_n, num_warps=num_warps, early=early,
+                                     merge_in_kernel=merge_in_kernel)
+
+
 def _prefill(name: str, seqs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int,
              strided: bool = False) -> tuple[str, str, dict]:
     return "paged_prefill_attention", name, dict(seqs=seqs, heads=heads, head_dim=head_dim,
@@ -374,6 +409,10 @@ INTERPRETER_CASES = _cases(("fp32", "fp16"), [
     _decode("odd_lens_bs4", [1, 17, 50], (2, 2), 16, 4),
     _decode("gqa_3_splits_strided", [33, 5], (4, 2), 32, 16, num_splits=3, strided=True),
     _decode("8_splits_with_empty_context", [70, 1, 0], (3, 1), 16, 4, num_splits=8),
+    _tile_splits("gqa_true_lens", [1, 7, 8, 9, 30, 0], (4, 2), 16, 4, 8, "true"),
+    _tile_splits("stale_lens", [2, 8, 17, 31], (2, 2), 16, 4, 8, "stale"),
+    _tile_splits("long_lens_merge_launch", [1, 9, 23], (2, 1), 16, 4, 8, "long", merge_in_kernel=False),
+    _tile_splits("garbage_lens", [5, 16, 33, 0], (3, 3), 16, 4, 8, "garbage"),
     _prefill("mixed_decode_full_and_prefix", [(1, 1), (17, 17), (5, 40)], (2, 2), 16, 4),
     _prefill("gqa_prefix_longer_than_q_strided", [(33, 33), (1, 20), (3, 70)], (4, 2), 32, 16, strided=True),
     _prefill("one_seq_three_q_tiles", [(40, 40)], (1, 1), 16, 4),
@@ -427,6 +466,12 @@ GPU_CASES = _cases(("fp32", "fp16", "bf16"), [
     _decode("b7_mixed_lens_no_split", _LENS, (12, 12), 64, 16, num_splits=1),
     _decode("b256_random_lens", _RANDOM_LENS, (12, 12), 64, 16),
     _decode("b3_gqa_5_splits", [300, 1, 1777], (12, 4), 64, 16, num_splits=5),
+    _decode("b16_auto_one_tile_splits", [1 + 125 * i for i in range(16)], (12, 12), 64, 16),
+    _tile_splits("b7_true_lens", [1, 255, 256, 257, 513, 1999, 37], (12, 12), 64, 16, 256, "true"),
+    _tile_splits("b4_stale_lens_128", [2, 128, 129, 1000], (12, 12), 64, 16, 128, "stale"),
+    _tile_splits("b3_long_lens_merge_launch", [1, 300, 700], (12, 12), 64, 16, 256, "long", merge_in_kernel=False),
+    _tile_splits("b5_gqa_garbage_lens_8_warps", [3, 256, 600, 0, 1200], (12, 4), 64, 16, 256, "garbage",
+                 num_warps=8),
     _prefill("one_seq_2000", [(2000, 2000)], (12, 12), 64, 16),
     _prefill("decodes_chunks_prefix_strided", [(1, 1000), (37, 1500), (500, 500), (1, 1), (129, 200)],
              (12, 12), 64, 16, strided=True),
@@ -690,6 +735,11 @@ BAD_ARGS = {  # test id -> (op, overrides, expected message)
                       "q dtype torch.float16 != cache dtype torch.float32"),
     "decode_zero_splits": ("paged_decode_attention", dict(num_splits=0),
                            "num_splits must be None or an int >= 1"),
+    "decode_too_few_split_counters": ("paged_decode_attention",
+                                      dict(split_counters=torch.zeros(7, dtype=torch.int32)),
+                                      "split_counters holds 7 counters, fewer than the 8"),
+    "decode_int64_split_counters": ("paged_decode_attention", dict(split_counters=torch.zeros(8).long()),
+                                    "split_counters must have dtype int32"),
     "prefill_sequence_count": ("paged_prefill_attention", dict(cu_seqlens_q=_int32([0, 1, 2, 3], "cpu")),
                                "sequence counts differ"),
     "prefill_int64_context_lens": ("paged_prefill_attention", dict(context_lens=torch.zeros(2).long()),
@@ -753,17 +803,34 @@ def test_the_decode_attention_launches_early_where_the_linears_load_their_weight
     assert launches_early(16) and not launches_early(17)
 
 
+def test_one_or_two_rows_launched_early_merge_their_splits_in_the_kernel(monkeypatch) -> None:
+    """The splitting kernel (early loads, the merge in place) where the batch is small, launched early, split
+    by the plan and given counters; otherwise the looping kernel and its merge launch."""
+    from chattts_velocity.kernels import linear
+    from chattts_velocity.kernels._triton.decode_attention import merges_in_kernel
+
+    monkeypatch.delenv("CHATTTS_VELOCITY_PREFETCH_ROWS", raising=False)
+    monkeypatch.setattr(linear, "prefetch_rows", linear.prefetch_rows.__wrapped__)
+    table = 4096
+    assert merges_in_kernel(1, 256, table, None, True) and merges_in_kernel(2, 256, table, None, True)
+    assert not merges_in_kernel(4, 256, table, None, True)  # the looping kernel was as fast there
+    assert not merges_in_kernel(1, 256, table, None, False)  # no counters
+    assert not merges_in_kernel(1, 256, table, 4, True)  # a split count asked for
+    assert not merges_in_kernel(1, table, table, None, True)  # unsplit
+    monkeypatch.setenv("CHATTTS_VELOCITY_PREFETCH_ROWS", "0")  # rows 2+ no longer launch early
+    assert merges_in_kernel(1, 256, table, None, True) and not merges_in_kernel(2, 256, table, None, True)
+
+
 def test_the_decode_attention_splits_by_batch_and_gpu_size() -> None:
-    """On a GPU of 132 SMs: 256-token splits on four warps up to 8 sequences, 64-token splits while the batch
-    still has fewer than 2 (sequence, head) pairs an SM, then one unsplit range a pair on wide one-warp tiles;
+    """On a GPU of 132 SMs: 256-token splits on four warps while the batch has fewer than 2 (sequence, head)
+    pairs an SM, then one unsplit range a pair on wide one-warp tiles;
     a given split count keeps 64-token tiles; the interpreter (0 SMs) runs 16-token tiles, unsplit."""
     from chattts_velocity.kernels._triton.decode_attention import split_plan
 
     table = 4096
     assert split_plan(1, 12, table, None, 132) == (256, 4, 256)
     assert split_plan(8, 12, table, None, 132) == (256, 4, 256)
-    assert split_plan(9, 12, table, None, 132) == (64, 4, 64)
-    assert split_plan(21, 12, table, None, 132) == (64, 4, 64)  # 252 pairs < 264
+    assert split_plan(21, 12, table, None, 132) == (256, 4, 256)  # 252 pairs < 264
     assert split_plan(22, 12, table, None, 132) == (128, 1, table)
     assert split_plan(256, 12, table, None, 132) == (128, 1, table)
     assert split_plan(8, 12, table, None, 16) == (128, 1, table)  # a small GPU is full sooner

@@ -46,6 +46,7 @@ class _DecodeBuffers:
     step_out: Tensor  # [] int64: which output row this step writes
     out_tokens: Tensor  # [K, B, Q] int64
     out_hidden: Tensor  # [K, B, H] float32
+    split_counters: Tensor  # [B * heads] int32 zeros: the decode attention's in-kernel merge of its splits
 
 
 class MultiStepDecoder:
@@ -94,7 +95,8 @@ class MultiStepDecoder:
         return _DecodeBuffers(tokens=zeros(batch, q), positions=zeros(batch), limit=zeros(batch),
                       block_tables=zeros(batch, width, dtype=torch.int32), params=params,
                       step_out=torch.zeros((), dtype=torch.int64, device=dev), out_tokens=zeros(self.max_steps, batch, q),
-                      out_hidden=torch.zeros(self.max_steps, batch, hidden, device=dev))
+                      out_hidden=torch.zeros(self.max_steps, batch, hidden, device=dev),
+                      split_counters=zeros(batch * self.core.num_heads, dtype=torch.int32))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -110,7 +112,8 @@ class MultiStepDecoder:
             s.tokens[:b, :1] if text else s.tokens[:b], table, vocab, s.positions[:b], s.limit[:b],
             s.block_tables[:b], self.block_size, self.max_model_len, self.core.dtype)
         meta = AttentionMetadata(positions=rope_pos, slot_mapping=slots, cu_seqlens_q=s.positions[:0],
-                                 context_lens=context_lens, block_tables=s.block_tables[:b], decode_only=True)
+                                 context_lens=context_lens, block_tables=s.block_tables[:b], decode_only=True,
+                                 split_counters=s.split_counters)
         hidden = self.core.forward(emb, meta, self.kv_caches).float()  # [b, H]
         if text:
             tok = sample_rows(self.sampler.text_logits(hidden), p.rows(rows), self.sampler.text_eos)  # [b]

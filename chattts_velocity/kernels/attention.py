@@ -23,13 +23,16 @@ from .kv_cache import check_kv_cache
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                           context_lens: Tensor, scale: float, *, num_splits: int | None = None) -> Tensor:
+                           context_lens: Tensor, scale: float, *, num_splits: int | None = None,
+                           split_counters: Tensor | None = None) -> Tensor:
     """q [B, Hq, D] (each sequence's newest token, its K/V already cached) -> out [B, Hq, D] in q's dtype.
 
     Sequence b attends to its first context_lens[b] cached tokens (a length of 0 gives zeros; it must not
     exceed block_tables.shape[1] * block_size). ``num_splits`` splits the contexts into that many ranges merged
     afterwards (flash-decoding); None picks it from the device's SM count. Query head h reads KV head
-    h // (Hq // Hk).
+    h // (Hq // Hk). ``split_counters``: the caller's int32 zeros, at least one per (sequence, q head), with
+    which a split context merges in the splitting kernel (a launch fewer); they are zeros again after each
+    call, so one buffer serves every call on one stream, not calls that run at once.
     """
     _check_common(q, k_cache, v_cache, block_tables, context_lens)
     check(block_tables.shape[0] == q.shape[0] == context_lens.shape[0],
@@ -37,11 +40,18 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
           f"context_lens {context_lens.shape[0]}")
     check(num_splits is None or (isinstance(num_splits, int) and num_splits >= 1),
           f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    if split_counters is not None:
+        check_tensor("split_counters", split_counters, "[>= B * Hq]", 1, (torch.int32,))
+        check_contiguous("split_counters", split_counters)
+        check_same_device(q=q, split_counters=split_counters)
+        check(split_counters.numel() >= q.shape[0] * q.shape[1],
+              f"split_counters holds {split_counters.numel()} counters, fewer than the {q.shape[0] * q.shape[1]} "
+              "(sequence, head) pairs")
     if use_triton(q):
         from ._triton.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                             num_splits)
+                                             num_splits, split_counters)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 

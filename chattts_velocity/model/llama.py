@@ -37,6 +37,9 @@ class AttentionMetadata:
     """[S, max_blocks] int32."""
     decode_only: bool
     """Every sequence computes exactly one token (pure decode step)."""
+    split_counters: Tensor | None = None
+    """[>= S * Hq] int32 zeros of the decode attention's in-kernel merge (``kernels.paged_decode_attention``);
+    None merges split contexts in a launch of their own."""
 
 
 @dataclass
@@ -151,7 +154,7 @@ class LlamaCore:
         q = qkv[:, :q_size].reshape(n, self.num_heads, self.head_dim)
         if meta.decode_only:
             out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                 self.scale)
+                                                 self.scale, split_counters=meta.split_counters)
         else:
             out = kernels.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                                   meta.context_lens, self.scale)

@@ -23,8 +23,9 @@ def sm_count(device: torch.device) -> int:
 def use_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch for the decode kernels that support it: on Hopper and newer, unless
     ``CHATTTS_VELOCITY_PDL=0`` (a switch for comparisons, and for drivers that mishandle it). Such a kernel
-    starts while the one before it finishes, reads only what no earlier kernel writes (its weights) before
-    ``gdc_wait``, and lets the next kernel start at once (``gdc_launch_dependents``)."""
+    starts while the one before it finishes, reads before ``gdc_wait`` only what no kernel of the step writes
+    (weights; the keys and values earlier steps cached) or what it may read stale, and lets the next kernel
+    start at once (``gdc_launch_dependents``)."""
     if os.environ.get("CHATTTS_VELOCITY_PDL", "1") == "0" or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
