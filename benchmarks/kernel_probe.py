@@ -1,5 +1,5 @@
 """GPU probe at the GPT's shapes (``--parts fused gemv prefetch attention
-attention_sweep attention_splits audio``): the fused decode linears vs the unfused ops (cuBLAS), the one-row GEMV (config sweep) vs the skinny GEMM at batch 1, decode attention by split count, by tile/warps and by split length at small batches, and the wav decode in fp32 /
+attention_sweep attention_splits sampler audio``): the fused decode linears vs the unfused ops (cuBLAS), the one-row GEMV (config sweep) vs the skinny GEMM at batch 1, decode attention by split count, by tile/warps and by split length at small batches, and the wav decode in fp32 /
 TF32 / bf16 / fp16. Each kernel timing replays a CUDA graph of 20 launches over 20 distinct operands (like 20
 layers, so nothing stays in L2); medians of 30 replays."""
 
@@ -346,6 +346,27 @@ def attention_splits(dtype) -> None:
             print(f"b={batch:2d} ctx={ctx:4d}  " + "  ".join(cells), flush=True)
 
 
+def sampler_probe() -> None:
+    """The fused sampler (penalty, temperature, top-p/top-k, EOS ban, the race) at the code head's vocabulary,
+    a 64-entry penalty history, ChatTTS's default settings: a CUDA graph of 20 calls, us per call."""
+    from chattts_velocity.kernels.sampling import sample_rows_fused
+
+    print("\n== fused sampler, vocab 626, history 64, us per call ==")
+    for rows in (4, 8, 64, 1024):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        logits = torch.randn(rows, 626, device="cuda", generator=g)
+        args = (logits, torch.full((rows, 1), 0.3, device="cuda"), torch.full((rows, 1), 0.7, device="cuda"),
+                torch.full((rows,), 20, dtype=torch.int64, device="cuda"),
+                torch.full((rows, 1), 1.05, device="cuda"),
+                torch.randint(0, 626, (rows, 64), device="cuda", generator=g),
+                torch.full((rows,), 16, dtype=torch.int64, device="cuda"), torch.zeros(rows, dtype=torch.int64,
+                                                                                       device="cuda"),
+                torch.arange(rows, device="cuda"), torch.full((rows,), 100, dtype=torch.int64, device="cuda"),
+                torch.arange(rows, device="cuda") % 4, 625)
+        us = graph_time(lambda args=args: [sample_rows_fused(*args) for _ in range(20)]) / 20 * 1e3
+        print(f"rows={rows:5d} {us:7.2f} us", flush=True)
+
+
 def audio_probe() -> None:
     from chattts_velocity.audio import AudioDecoder
     from chattts_velocity.model.loader import ModelLoader
@@ -400,6 +421,8 @@ def main() -> None:
         attention_sweep(torch.float16)
     if "attention_splits" in args.parts:
         attention_splits(torch.float16)
+    if "sampler" in args.parts:
+        sampler_probe()
     if "audio" in args.parts:
         audio_probe()
 
