@@ -89,21 +89,10 @@ def _merge_splits_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, context_lens_ptr, n
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    splits = tl.arange(0, SPLITS)
+    row = tl.program_id(0)
     # only the splits that hold context tokens: the rest of the grid sized for the table width was empty
-    live = tl.cdiv(tl.load(context_lens_ptr + row // num_heads), split_len)
-    valid = splits < tl.minimum(live, num_splits)
-    maxes = tl.load(max_ptr + row * num_splits + splits, mask=valid, other=float("-inf"))  # [SPLITS]
-    sums = tl.load(sum_ptr + row * num_splits + splits, mask=valid, other=0.0)
-    top = tl.max(maxes, axis=0)
-    weights = tl.exp2(maxes - tl.where(top == float("-inf"), 0.0, top))  # empty splits (max -inf) weigh 0
-    dims = tl.arange(0, HEAD_DIM)
-    offs = (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :]  # [SPLITS, D]
-    acc = tl.sum(tl.load(acc_ptr + offs, mask=valid[:, None], other=0.0) * weights[:, None], axis=0)
-    total = tl.sum(sums * weights, axis=0)
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+    live = tl.minimum(tl.cdiv(tl.load(context_lens_ptr + row // num_heads), split_len), num_splits)
+    _merge_row(acc_ptr, max_ptr, sum_ptr, out_ptr, row, num_splits, live, HEAD_DIM, SPLITS)
 
 
 @triton.jit
@@ -178,19 +167,21 @@ def _tile_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, early_
 def _merge_row(part_ptr, max_ptr, sum_ptr, out_ptr, row, num_splits, live, HEAD_DIM: tl.constexpr,
                SPLITS: tl.constexpr):
     """out[row] from the first ``live`` of its ``num_splits`` partial results (unnormalised sums, their
-    maxima in log2 units and their softmax sums), read past the L1 cache: other SMs wrote them."""
+    maxima in log2 units and their softmax sums), read past the L1 cache: other SMs may have written them. No
+    live split (an empty context) gives zeros."""
     row = row.to(tl.int64)
     splits = tl.arange(0, SPLITS)
     valid = splits < live
     maxes = tl.load(max_ptr + row * num_splits + splits, mask=valid, other=float("-inf"), cache_modifier=".cg")
     sums = tl.load(sum_ptr + row * num_splits + splits, mask=valid, other=0.0, cache_modifier=".cg")
-    weights = tl.exp2(maxes - tl.max(maxes, axis=0))  # [SPLITS]; the invalid ones weigh 0
+    top = tl.max(maxes, axis=0)
+    weights = tl.exp2(maxes - tl.where(top == float("-inf"), 0.0, top))  # [SPLITS]; the invalid ones weigh 0
     dims = tl.arange(0, HEAD_DIM)
     offs = (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :]
     acc = tl.sum(tl.load(part_ptr + offs, mask=valid[:, None], other=0.0, cache_modifier=".cg")
                  * weights[:, None], axis=0)
     total = tl.sum(sums * weights, axis=0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, (acc / total).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row * HEAD_DIM + dims, (acc / tl.where(total > 0, total, 1.0)).to(out_ptr.dtype.element_ty))
 
 
 def launches_early(batch: int) -> bool:
