@@ -217,7 +217,7 @@ def split_plan(batch: int, num_heads: int, max_context: int, num_splits: int | N
     few = batch * num_heads < _PROGRAMS_PER_SM * sms
     if few:
         block_n = _SPLIT_TOKENS
-    elif not few and sms:
+    elif sms:
         block_n, num_warps = 128, 1
     return block_n, num_warps, block_n if few else max_context
 
