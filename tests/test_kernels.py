@@ -168,10 +168,9 @@ EARLY_LENS = {  # what the tile-split kernel may read as context lengths before 
 
 
 def _check_tile_splits(dtype: torch.dtype, device: str, context_lens: list[int], heads: tuple[int, int],
-                       head_dim: int, block_size: int, block_n: int, num_warps: int, early: str,
-                       merge_in_kernel: bool) -> None:
-    """The one-tile splits of small decode batches, with the early context lengths right or wrong and the
-    merge in the kernel (its counters back at zero after) or a launch of its own."""
+                       head_dim: int, block_size: int, block_n: int, num_warps: int, early: str) -> None:
+    """The one-tile splits of small decode batches, with the early context lengths right or wrong, merged in
+    the kernel (its counters back at zero after)."""
     from chattts_velocity.kernels._triton import _launch
     from chattts_velocity.kernels._triton.decode_attention import tile_splits
 
@@ -180,8 +179,8 @@ def _check_tile_splits(dtype: torch.dtype, device: str, context_lens: list[int],
     lens, scale = _int32(context_lens, device), head_dim**-0.5
     counters = torch.zeros(q.shape[0] * q.shape[1] + 3, dtype=torch.int32, device=device)
     pdl = _launch.pdl_launch(torch.device(device))  # on a GPU as the engine launches it
-    out = tile_splits(q, k_cache, v_cache, table, lens, scale, block_n, num_warps,
-                      counters if merge_in_kernel else None, EARLY_LENS[early](lens), pdl)
+    out = tile_splits(q, k_cache, v_cache, table, lens, scale, block_n, num_warps, counters,
+                      EARLY_LENS[early](lens), pdl)
     _assert_close(out, K.paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale), dtype)
     assert not counters.any(), f"counters left at {counters.tolist()}"
 
@@ -363,10 +362,9 @@ def _decode(name: str, context_lens: list[int], heads: tuple[int, int], head_dim
 
 
 def _tile_splits(name: str, context_lens: list[int], heads: tuple[int, int], head_dim: int, block_size: int,
-                 block_n: int, early: str, merge_in_kernel: bool = True, num_warps: int = 4) -> tuple[str, str, dict]:
+                 block_n: int, early: str, num_warps: int = 4) -> tuple[str, str, dict]:
     return "tile_splits", name, dict(context_lens=context_lens, heads=heads, head_dim=head_dim,
-                                     block_size=block_size, block_n=block_n, num_warps=num_warps, early=early,
-                                     merge_in_kernel=merge_in_kernel)
+                                     block_size=block_size, block_n=block_n, num_warps=num_warps, early=early)
 
 
 def _prefill(name: str, seqs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int,
@@ -411,7 +409,7 @@ INTERPRETER_CASES = _cases(("fp32", "fp16"), [
     _decode("8_splits_with_empty_context", [70, 1, 0], (3, 1), 16, 4, num_splits=8),
     _tile_splits("gqa_true_lens", [1, 7, 8, 9, 30, 0], (4, 2), 16, 4, 8, "true"),
     _tile_splits("stale_lens", [2, 8, 17, 31], (2, 2), 16, 4, 8, "stale"),
-    _tile_splits("long_lens_merge_launch", [1, 9, 23], (2, 1), 16, 4, 8, "long", merge_in_kernel=False),
+    _tile_splits("long_lens", [1, 9, 23], (2, 1), 16, 4, 8, "long"),
     _tile_splits("garbage_lens", [5, 16, 33, 0], (3, 3), 16, 4, 8, "garbage"),
     _prefill("mixed_decode_full_and_prefix", [(1, 1), (17, 17), (5, 40)], (2, 2), 16, 4),
     _prefill("gqa_prefix_longer_than_q_strided", [(33, 33), (1, 20), (3, 70)], (4, 2), 32, 16, strided=True),
@@ -469,7 +467,7 @@ GPU_CASES = _cases(("fp32", "fp16", "bf16"), [
     _decode("b16_auto_one_tile_splits", [1 + 125 * i for i in range(16)], (12, 12), 64, 16),
     _tile_splits("b7_true_lens", [1, 255, 256, 257, 513, 1999, 37], (12, 12), 64, 16, 256, "true"),
     _tile_splits("b4_stale_lens_128", [2, 128, 129, 1000], (12, 12), 64, 16, 128, "stale"),
-    _tile_splits("b3_long_lens_merge_launch", [1, 300, 700], (12, 12), 64, 16, 256, "long", merge_in_kernel=False),
+    _tile_splits("b3_long_lens", [1, 300, 700], (12, 12), 64, 16, 256, "long"),
     _tile_splits("b5_gqa_garbage_lens_8_warps", [3, 256, 600, 0, 1200], (12, 4), 64, 16, 256, "garbage",
                  num_warps=8),
     _prefill("one_seq_2000", [(2000, 2000)], (12, 12), 64, 16),
@@ -803,22 +801,18 @@ def test_the_decode_attention_launches_early_where_the_linears_load_their_weight
     assert launches_early(16) and not launches_early(17)
 
 
-def test_one_or_two_rows_launched_early_merge_their_splits_in_the_kernel(monkeypatch) -> None:
+def test_one_or_two_rows_launched_early_merge_their_splits_in_the_kernel() -> None:
     """The splitting kernel (early loads, the merge in place) where the batch is small, launched early, split
     by the plan and given counters; otherwise the looping kernel and its merge launch."""
-    from chattts_velocity.kernels import linear
     from chattts_velocity.kernels._triton.decode_attention import merges_in_kernel
 
-    monkeypatch.delenv("CHATTTS_VELOCITY_PREFETCH_ROWS", raising=False)
-    monkeypatch.setattr(linear, "prefetch_rows", linear.prefetch_rows.__wrapped__)
     table = 4096
-    assert merges_in_kernel(1, 256, table, None, True) and merges_in_kernel(2, 256, table, None, True)
-    assert not merges_in_kernel(4, 256, table, None, True)  # the looping kernel was as fast there
-    assert not merges_in_kernel(1, 256, table, None, False)  # no counters
-    assert not merges_in_kernel(1, 256, table, 4, True)  # a split count asked for
-    assert not merges_in_kernel(1, table, table, None, True)  # unsplit
-    monkeypatch.setenv("CHATTTS_VELOCITY_PREFETCH_ROWS", "0")  # rows 2+ no longer launch early
-    assert merges_in_kernel(1, 256, table, None, True) and not merges_in_kernel(2, 256, table, None, True)
+    assert merges_in_kernel(1, True, 256, table, None, True) and merges_in_kernel(2, True, 256, table, None, True)
+    assert not merges_in_kernel(4, True, 256, table, None, True)  # the looping kernel was as fast there
+    assert not merges_in_kernel(1, False, 256, table, None, True)  # not launched early
+    assert not merges_in_kernel(1, True, 256, table, None, False)  # no counters
+    assert not merges_in_kernel(1, True, 256, table, 4, True)  # a split count asked for
+    assert not merges_in_kernel(1, True, table, table, None, True)  # unsplit
 
 
 def test_the_decode_attention_splits_by_batch_and_gpu_size() -> None:

@@ -100,7 +100,7 @@ def _tile_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, early_
                        out_ptr, part_ptr, max_ptr, sum_ptr, counters_ptr, qk_scale, q_stride_seq, q_stride_head,
                        bt_stride, table_tokens, num_kv_heads, group, num_splits,
                        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLITS: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr):
+                       SPLITS: tl.constexpr, PDL: tl.constexpr):
     """One program per (sequence, q head, BLOCK_N-token split). ``early_lens`` is read before the wait and may
     be stale or garbage: keys and values it places before a context's newest token are loaded early and kept
     only where the real context (read after the wait) agrees; the rest of the tile is loaded after the wait."""
@@ -147,20 +147,19 @@ def _tile_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, early_
         p = tl.exp2(scores - m)
         acc = tl.sum(p[:, None] * v.to(tl.float32), axis=0)
         total = tl.sum(p, axis=0)
-        if MERGE and live == 1:  # (the merge launch reads every split's partial result)
+        if live == 1:
             tl.store(out_ptr + row.to(tl.int64) * HEAD_DIM + dims, (acc / total).to(out_ptr.dtype.element_ty))
         else:
             part = row * num_splits + split
             tl.store(max_ptr + part, m)
             tl.store(sum_ptr + part, total)
             tl.store(part_ptr + part.to(tl.int64) * HEAD_DIM + dims, acc)
-            if MERGE:
-                # the last split of the head to get here merges them all, in split order (the same bits
-                # whichever finishes last), and puts the counter back for the next call
-                tl.debug_barrier()  # every thread's stores before the count that publishes them
-                if tl.atomic_add(counters_ptr + row, 1, sem="acq_rel") == live - 1:
-                    _merge_row(part_ptr, max_ptr, sum_ptr, out_ptr, row, num_splits, live, HEAD_DIM, SPLITS)
-                    tl.store(counters_ptr + row, 0)
+            # the last split of the head to get here merges them all, in split order (the same bits whichever
+            # finishes last), and puts the counter back for the next call
+            tl.debug_barrier()  # every thread's stores before the count that publishes them
+            if tl.atomic_add(counters_ptr + row, 1, sem="acq_rel") == live - 1:
+                _merge_row(part_ptr, max_ptr, sum_ptr, out_ptr, row, num_splits, live, HEAD_DIM, SPLITS)
+                tl.store(counters_ptr + row, 0)
 
 
 @triton.jit
@@ -192,13 +191,12 @@ def launches_early(batch: int) -> bool:
     return batch == 1 or batch <= linear.prefetch_rows()
 
 
-def merges_in_kernel(batch: int, split_len: int, max_context: int, num_splits: int | None,
+def merges_in_kernel(batch: int, early: bool, split_len: int, max_context: int, num_splits: int | None,
                      has_counters: bool) -> bool:
     """Whether the decode attention of ``batch`` rows runs the splitting kernel (early loads, the merge in the
-    kernel): a split plan of its own (``split_len`` under the table's ``max_context``), counters to merge with,
-    few enough rows, and launched early."""
-    return (has_counters and num_splits is None and split_len < max_context and batch <= _TILE_SPLIT_ROWS
-            and launches_early(batch))
+    kernel): few enough rows launched ``early`` (``launches_early``), a split plan of its own (``split_len``
+    under the table's ``max_context``) and counters to merge with."""
+    return early and batch <= _TILE_SPLIT_ROWS and has_counters and num_splits is None and split_len < max_context
 
 
 def split_plan(batch: int, num_heads: int, max_context: int, num_splits: int | None, sms: int
@@ -231,8 +229,9 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     max_context = max(block_tables.shape[1] * block_size, 1)
     sms = sm_count(q.device) if q.is_cuda else 0
     block_n, num_warps, split_len = split_plan(batch, num_heads, max_context, num_splits, sms)
-    pdl = pdl_launch(q.device if launches_early(batch) else False)
-    if merges_in_kernel(batch, split_len, max_context, num_splits, split_counters is not None):
+    early = launches_early(batch)
+    pdl = pdl_launch(q.device if early else False)
+    if merges_in_kernel(batch, early, split_len, max_context, num_splits, split_counters is not None):
         return tile_splits(q, k_cache, v_cache, block_tables, context_lens, scale, *_TILE_SPLIT, split_counters,
                            context_lens, pdl)
     num_splits = triton.cdiv(max_context, split_len)
@@ -249,27 +248,23 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
 
 
 def tile_splits(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
-                scale: float, block_n: int, num_warps: int, split_counters: Tensor | None, early_lens: Tensor,
+                scale: float, block_n: int, num_warps: int, split_counters: Tensor, early_lens: Tensor,
                 pdl: dict) -> Tensor:
-    """The decode attention in splits of one ``block_n``-token tile over the block table's width. Given
-    ``split_counters`` (zeros, one per (sequence, head); zeros again after the call) the splits merge in the
-    kernel, else in a second one. ``early_lens`` is read before the wait for the kernel before (the engine
-    passes context_lens, which the step wrote; any value gives the same result)."""
+    """The decode attention in splits of one ``block_n``-token tile over the block table's width, merged in the
+    kernel with ``split_counters`` (zeros, one per (sequence, head); zeros again after the call).
+    ``early_lens`` is read before the wait for the kernel before (the engine passes context_lens, which the step
+    wrote; any value gives the same result)."""
     batch, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     table_tokens = block_tables.shape[1] * block_size
     num_splits = triton.cdiv(max(table_tokens, 1), block_n)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     partial, maxes, sums = _partials(q, num_splits)
-    merge = split_counters is not None
     _tile_split_kernel[(batch, num_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, early_lens, context_lens, out, partial, maxes, sums,
-        split_counters if merge else context_lens, scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0),
-        table_tokens, k_cache.shape[2], num_heads // k_cache.shape[2], num_splits, BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=triton.next_power_of_2(num_splits), MERGE=merge,
-        num_warps=num_warps, **pdl)
-    if not merge:
-        _merge(partial, maxes, sums, out, context_lens, block_n, pdl)
+        q, k_cache, v_cache, block_tables, early_lens, context_lens, out, partial, maxes, sums, split_counters,
+        scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), table_tokens, k_cache.shape[2],
+        num_heads // k_cache.shape[2], num_splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n,
+        SPLITS=triton.next_power_of_2(num_splits), num_warps=num_warps, **pdl)
     return out
 
 
