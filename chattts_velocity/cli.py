@@ -15,6 +15,7 @@ import sys
 import torch
 
 from . import __version__
+from .audio.stream import StreamConfig
 from .bench.cli import add_bench_parser
 from .chat import Chat
 from .device import default_engine_dtype
@@ -225,6 +226,10 @@ def _add_serve_parser(sub) -> None:
                    help="engine: the longest a full decode window runs at the latest step time, so streamed audio "
                         "does not come in long bursts where steps are slow (the CPU's) (default: 300; 0: none, "
                         "every window its full steps)")
+    s.add_argument("--stream-chunk", type=int, default=None, metavar="TOKENS",
+                   help="most tokens in a later chunk of streamed audio (the first chunks grow to it: 8, 8, 16, "
+                        "...): longer chunks decode less context per token of audio and come less often "
+                        f"(default: {StreamConfig.chunk})")
     s.add_argument("--log-level", default=ServeSettings.log_level, choices=LOG_LEVELS,
                    help="server log level (default: %(default)s)")
     r = s.add_argument_group("replicas (Ray Serve: pip install -e \".[scale]\" from a clone, or "

@@ -7,12 +7,14 @@ import argparse
 
 import pytest
 
+from chattts_velocity.audio.stream import StreamConfig
 from chattts_velocity.bench import cli as bench_cli
 from chattts_velocity.bench.stream import (
     StreamBenchConfig,
     StreamRecord,
     _median,
     format_table,
+    load_bench_chat,
     run_stream_bench,
     summarize,
 )
@@ -66,3 +68,17 @@ def test_bench_stream_runs_as_many_times_as_asked_two_by_default(monkeypatch, ar
     args = parser.parse_args(["bench", "stream", "--size", "tiny", *argv])
     assert args.func(args) == 0
     assert [cfg.repeats for cfg in ran] == [repeats]
+
+
+def test_bench_stream_streams_in_the_chunks_asked(monkeypatch):
+    ran = []
+    monkeypatch.setattr(bench_cli, "run_stream", ran.append)
+    parser = argparse.ArgumentParser()
+    bench_cli.add_bench_parser(parser.add_subparsers())
+    for argv, chunk in (([], StreamConfig.chunk), (["--stream-chunk", "48"], 48)):
+        args = parser.parse_args(["bench", "stream", "--size", "tiny", *argv])
+        assert args.func(args) == 0 and ran.pop().chunk == chunk
+    with pytest.raises(ValueError, match="StreamConfig.chunk must be an int >= 1"):
+        StreamBenchConfig(chunk=0)
+    chat = load_bench_chat(StreamBenchConfig(size="tiny", device="cpu", chunk=40, json_path=None), 2)
+    assert chat.pipeline.stream_config == StreamConfig(chunk=40)  # what the streams are cut by

@@ -381,6 +381,7 @@ def test_keep_alive_and_audio_round_are_checked():
 def test_serve_options_map_onto_one_settings_object():
     """The command line and Ray's key=value options build the same ``ServeSettings``; every option of ``serve``
     is one ``OPTIONS`` knows, and its defaults are the settings' own."""
+    from chattts_velocity.audio.stream import StreamConfig
     from chattts_velocity.cli import build_parser, serve_settings
     from chattts_velocity.server.settings import OPTIONS, ServeSettings, parse_options
 
@@ -412,6 +413,11 @@ def test_serve_options_map_onto_one_settings_object():
     assert cli("--window-budget-ms", "500") == ServeSettings.from_options(parse_options({"window_budget_ms": "500"}))
     with pytest.raises(ValueError, match="window_budget_ms must be a number > 0 or None"):
         cli("--window-budget-ms", "-5")
+    assert "stream_config" not in cli().load  # the stream's default chunks
+    assert cli("--stream-chunk", "48").load["stream_config"] == StreamConfig(chunk=48)
+    assert cli("--stream-chunk", "48") == ServeSettings.from_options(parse_options({"stream_chunk": "48"}))
+    with pytest.raises(ValueError, match="StreamConfig.chunk must be an int >= 1"):
+        cli("--stream-chunk", "0")
     assert cli("--dummy", "--max-concurrent", "2") == ServeSettings.from_options(
         parse_options({"dummy": "true", "max_concurrent": 2}))
     with pytest.raises(ValueError, match="replica runs its engine in a process of its own already"):

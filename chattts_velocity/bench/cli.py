@@ -87,7 +87,7 @@ def _bench(args: argparse.Namespace) -> int:
             repeats=StreamBenchConfig.repeats if args.repeats is None else args.repeats,
             reference_max_streams=0 if args.skip_reference else args.reference_max_batch,
             json_path=args.json if args.json != "bench.json" else "bench_stream.json",
-            window_stops=stops,
+            window_stops=stops, **({} if args.stream_chunk is None else {"chunk": args.stream_chunk}),
         ))
         return 0
     run_and_report(bench_config(args))
@@ -152,6 +152,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--skip-reference", action="store_true", help="measure the velocity engine only")
     b.add_argument("--window-stops", default=None, metavar="N,N",
                    help="stream mode: the engine's window stops, as serve --window-stops (default: the engine's)")
+    b.add_argument("--stream-chunk", type=int, default=None, metavar="TOKENS",
+                   help="stream mode: most tokens in a later chunk, as serve --stream-chunk (default: the stream's)")
     b.add_argument("--reference-max-batch", type=int, default=None, metavar="N",
                    help="run the reference only at batches <= N (default: every batch)")
     b.add_argument("--seed", type=int, default=0,

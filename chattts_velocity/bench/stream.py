@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..audio.stream import StreamConfig
 from ..chat import Chat
 from ..constants import SAMPLE_RATE
 from ..device import default_engine_dtype, resolve_device
@@ -59,6 +60,8 @@ class StreamBenchConfig:
     """Run the reference only up to this many streams; None: every variant."""
     window_stops: tuple[int, ...] = EngineConfig.window_stops
     """``EngineConfig.window_stops`` of the velocity engine."""
+    chunk: int = StreamConfig.chunk
+    """``StreamConfig.chunk``: most tokens in a later chunk."""
     json_path: str | None = "bench_stream.json"
 
     def __post_init__(self) -> None:
@@ -70,6 +73,7 @@ class StreamBenchConfig:
             raise ValueError(f"--repeats must be an int >= 1, got {self.repeats!r}")
         if self.size not in ("full", "tiny"):
             raise ValueError(f"--size must be full or tiny, got {self.size!r}")
+        StreamConfig(chunk=self.chunk)  # says what is wrong with it
 
 
 @dataclass
@@ -111,7 +115,7 @@ def load_bench_chat(cfg: StreamBenchConfig, max_streams: int) -> Chat:
     device = resolve_device(cfg.device)
     chat = Chat()
     kw = dict(device=device, engine_dtype=cfg.dtype or default_engine_dtype(device), max_num_seqs=max(max_streams, 1),
-              window_stops=cfg.window_stops)
+              window_stops=cfg.window_stops, stream_config=StreamConfig(chunk=cfg.chunk))
     if cfg.size == "full":
         chat.load(load_format="dummy", **kw)
     else:
@@ -234,7 +238,7 @@ def run_and_report(cfg: StreamBenchConfig) -> dict:
         " (every one)" if budget is None else f" (after the first while a full window takes over {budget:g} ms)")
     windows = "" if report["window_budget_ms"] is None else f", full windows within {report['window_budget_ms']:g} ms"
     print(f"device: {report['device']}, {cfg.tokens} tokens per stream, median of {cfg.repeats} runs, window stops "
-          f"{report['window_stops']}{later}{windows}")
+          f"{report['window_stops']}{later}{windows}, later chunks up to {cfg.chunk} tokens")
     print(format_table(report))
     for r in report["rows"]:
         if r["stalls_at_chunk"]:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..audio.stream import StreamConfig
 from ..engine.engine_config import ENGINE_DTYPES, EngineConfig
 
 API_KEY_ENV = "CHATTTS_VELOCITY_API_KEY"
@@ -41,7 +42,7 @@ OPTIONS: dict[str, type] = {
     "header_timeout": float, "body_timeout": float, "max_connections": int, "engine_timeout": float,
     # the engine
     "max_num_seqs": int, "kv_cache_gib": float, "engine_dtype": str, "max_window_tokens": int,
-    "open_window_max_seqs": int, "window_stops": str, "window_budget_ms": float,
+    "open_window_max_seqs": int, "window_stops": str, "window_budget_ms": float, "stream_chunk": int,
     # the topology
     "engine_process": bool, "fronts": int, "replicas": int, "min_replicas": int, "max_replicas": int,
     "gpus_per_replica": float, "ray_address": str, "ingress": str,
@@ -263,6 +264,8 @@ class ServeSettings:
         if o["window_budget_ms"] is not None:  # 0: no budget
             load["window_budget_ms"] = o["window_budget_ms"] or None
             EngineConfig(window_budget_ms=load["window_budget_ms"])  # > 0: said now, not once the model has loaded
+        if o["stream_chunk"] is not None:  # checked now too
+            load["stream_config"] = StreamConfig(chunk=o["stream_chunk"])
         return cls(load, server, threads=o["threads"], scale=_scale(o, replicas), **_given(
             host=o["host"], port=o["port"], log_level=o["log_level"], engine_process=o["engine_process"],
             fronts=o["fronts"]))
