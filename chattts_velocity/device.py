@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 from .kernels.linear import cpu_weight_formats
@@ -42,3 +45,19 @@ def default_engine_dtype(device: torch.device | str | None) -> str:
     if resolve_device(device).type == "cuda" or "float16" in cpu_weight_formats():
         return "float16"
     return "float32"
+
+
+_waits = threading.local()
+
+
+def wait_for(work) -> None:
+    """``work.synchronize()`` (a CUDA event or stream), its duration added to this thread's ``device_wait_s``."""
+    start = time.perf_counter()
+    work.synchronize()
+    _waits.seconds = device_wait_s() + time.perf_counter() - start
+
+
+def device_wait_s() -> float:
+    """Seconds this thread has spent waiting for the device in ``wait_for``: a thread's time apart from its
+    host work (``AsyncLLMEngine``'s part of ``EngineStats.thread_time``)."""
+    return getattr(_waits, "seconds", 0.0)

@@ -160,7 +160,7 @@ def _stats():
     from types import SimpleNamespace
 
     return SimpleNamespace(num_waiting=0, num_running=2, kv_blocks_used=3, kv_blocks_total=10, num_preemptions=0,
-                           num_generated_tokens=5)
+                           num_generated_tokens=5, thread_time={"idle": 1.5, "step": 2.0})
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -189,3 +189,6 @@ def test_metrics_add_the_other_fronts_request_series():
     assert merged["chattts_time_to_first_audio_seconds_sum"] == pytest.approx(0.25)
     assert merged["chattts_engine_running"] == 2 and merged["chattts_kv_blocks_used"] == 3  # gauges: not summed
     assert {f.type for f in other.own()} == {"counter", "histogram"}
+    # the engine thread's counters are the one engine's, whichever front renders them: not summed either
+    assert merged['chattts_engine_thread_seconds_total{part="step"}'] == alone['chattts_engine_thread_seconds_total{part="step"}'] == 2.0
+    assert "chattts_engine_thread_seconds" not in {f.name for f in mine.own()}

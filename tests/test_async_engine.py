@@ -246,6 +246,53 @@ def test_the_engine_times_its_aborts_and_its_loop(chat, make_async):
     assert stats.loop_time.count == before < engine.stats().engine.loop_time.count
 
 
+def test_the_engine_thread_counts_where_its_time_goes(chat, make_async):
+    """``stats().engine.thread_time``: the engine thread's seconds by part since it began, a snapshot; its steps
+    and their hand-off take time, it idles between requests, and its waits for the device come only from
+    ``device.wait_for`` (none on the CPU)."""
+    from chattts_velocity.engine.timings import THREAD_PARTS
+
+    engine = make_async(num_decode_steps=4)
+    list(engine.add_request(code_prompt(chat, "time me"), seeded(0, 24)))
+    assert engine.wait_idle(30)
+    first = engine.stats().engine.thread_time
+    assert tuple(first) == THREAD_PARTS and first["step"] > 0 and first["deliver"] > 0
+    assert first["step_device_wait"] == first["deliver_device_wait"] == 0.0  # the CPU never waits for a device
+    time.sleep(0.05)  # idle: no request
+    list(engine.add_request(code_prompt(chat, "again"), seeded(1, 24)))
+    assert engine.wait_idle(30)
+    later = engine.stats().engine.thread_time
+    assert later["step"] > first["step"] and later["idle"] >= first["idle"] + 0.04
+    later["step"] = -1.0  # a snapshot: changing it changes nothing the engine counts
+    assert engine.stats().engine.thread_time["step"] > first["step"]
+
+
+def test_device_waits_are_timed_per_thread():
+    """``device.wait_for`` adds the time ``synchronize`` took to the calling thread's ``device_wait_s`` only."""
+    import threading
+
+    from chattts_velocity.device import device_wait_s, wait_for
+
+    class Slow:
+        def synchronize(self):
+            time.sleep(0.03)
+
+    seen = {}
+
+    def other():
+        seen["before"] = device_wait_s()
+        wait_for(Slow())
+        seen["after"] = device_wait_s()
+
+    mine = device_wait_s()
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen["after"] - seen["before"] >= 0.03 and device_wait_s() == mine
+    wait_for(Slow())
+    assert device_wait_s() - mine >= 0.03
+
+
 def test_the_engine_times_first_tokens_and_first_audio(chat, make_async):
     """``stats()`` splits a request's way to first audio: submitted → first token (every request), first token →
     first audio (a request whose audio was marked, as the audio pump does); a request that ends without audio

@@ -117,6 +117,10 @@ def test_every_arrival_is_sent_and_counted(report):
         means = r["server_mean_ms"]
         assert set(means) == {"to_first_token", "to_first_audio", "first_audio"}, means
         assert all(0 < v < 1e4 for v in means.values()), means
+        # and the engine thread's time over the rate, by part, which adds up to the whole
+        shares = r["engine_thread"]
+        assert set(shares) == {"idle", "step", "step_device_wait", "deliver", "deliver_device_wait"}, shares
+        assert sum(shares.values()) == pytest.approx(1.0) and shares["step"] > 0, shares
 
 
 def test_report_has_the_sustained_rate_and_is_written(report, capsys):
@@ -267,3 +271,26 @@ def test_server_sums_add_every_series_of_a_histogram():
     assert sums["chattts_time_to_first_audio_seconds"] == (1.5, 5.0)
     assert sums["chattts_engine_first_audio_seconds"] == (0.0, 0.0)  # not on the page
     assert scrape_sums(f"http://127.0.0.1:{httpd.server_port}/") is None  # nobody listens now
+
+
+def test_the_engine_threads_shares_come_from_its_counters_before_and_after():
+    """``engine_thread``: the counters of every series (replicas) added, their growth over the rate as shares of
+    the whole; None without both pages or on a server without the family."""
+    from chattts_velocity.bench.server_metrics import format_shares, thread_seconds, thread_shares
+
+    def page(idle: float, step: float, wait: float) -> str:
+        return "\n".join([
+            "# TYPE chattts_engine_thread_seconds counter",
+            f'chattts_engine_thread_seconds_total{{part="idle"}} {idle}',
+            f'chattts_engine_thread_seconds_total{{part="step"}} {step}',
+            f'chattts_engine_thread_seconds_total{{part="step_device_wait"}} {wait}',
+            f'chattts_engine_thread_seconds_total{{replica="b",part="step"}} {step}',
+            'chattts_engine_thread_seconds_created{part="idle"} 1.7e+09', ""])
+
+    before, after = thread_seconds(page(1.0, 2.0, 0.5)), thread_seconds(page(2.0, 3.0, 2.5))
+    assert before == {"idle": 1.0, "step": 4.0, "step_device_wait": 0.5}
+    shares = thread_shares(before, after)
+    assert shares == {"idle": pytest.approx(0.2), "step": pytest.approx(0.4), "step_device_wait": pytest.approx(0.4)}
+    assert format_shares(shares) == "idle 20%, step 40% + device wait 40%, deliver 0%"
+    assert thread_seconds("chattts_engine_loop_seconds_count 3.0") is None and thread_seconds(None) is None
+    assert thread_shares(None, after) is None and thread_shares(after, after) is None  # no time passed

@@ -208,6 +208,10 @@ def test_models_health_and_metrics(server):
     # and splits a request's first audio into its wait for a first token and from there to audio
     for name in ("chattts_engine_first_token_seconds", "chattts_engine_first_audio_seconds"):
         assert metric(server.url, name + "_count") > 0 and metric(server.url, name + "_sum") > 0, name
+    # and counts where its thread's time goes (not summed over fronts: one engine's)
+    parts = {part: metric(server.url, f'chattts_engine_thread_seconds_total{{part="{part}"}}')
+             for part in ("idle", "step", "step_device_wait", "deliver", "deliver_device_wait")}
+    assert parts["step"] > 0 and parts["deliver"] > 0 and parts["idle"] > 0, parts
 
 
 def test_metrics_time_the_garbage_collections(server, client):
@@ -300,6 +304,9 @@ def test_bench_serve_drives_the_server(server, tmp_path):
     assert all(0 < r["headers_p50_ms"] <= r["ttfa_p50_ms"] <= r["request_p50_ms"] for r in rows)
     assert [r["client_processes"] for r in rows] == [1, 1]
     assert json.loads(out.read_text())["rows"] == rows
+    # the engine thread's time over each level, from the server's counters: shares of the whole, steps among them
+    for r in rows:
+        assert sum(r["engine_thread"].values()) == pytest.approx(1.0) and r["engine_thread"]["step"] > 0, r
     # a level split over client processes (one per stream here): every request counted once
     split = run_and_report(ServeBenchConfig(url=server.url, streams=(3,), requests_per_stream=2, api_key=API_KEY,
                                             json_path=None, streams_per_process=1))["rows"][0]

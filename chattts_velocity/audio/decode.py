@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from vocos import Vocos
 
+from ..device import wait_for
 from .dvae import DVAE
 from .graphs import DecodeGraphs
 from .vocoder import vocos_decode
@@ -25,7 +26,7 @@ def _to_host(x: Tensor) -> np.ndarray:
         return x.cpu().numpy()
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     host.copy_(x, non_blocking=True)
-    torch.cuda.current_stream(x.device).synchronize()
+    wait_for(torch.cuda.current_stream(x.device))
     return host.numpy()
 
 

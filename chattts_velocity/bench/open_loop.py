@@ -14,7 +14,6 @@ import json
 import math
 import re
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -23,6 +22,7 @@ from ..constants import SAMPLE_RATE
 from .http_client import Connection
 from .report import prepare_output, write_json
 from .serve import CLIENT_BOUND, TEXT, run_client_processes
+from .server_metrics import format_shares, metrics_page, thread_seconds, thread_shares
 from .stream import StreamRecord
 
 BYTES_PER_S = 2 * SAMPLE_RATE
@@ -48,6 +48,10 @@ DEFINITIONS = {
                       "none): to_first_token, a request submitted to the engine to its first token (the wait for "
                       "the running step, its prompt step); to_first_audio, from there to its first audio (its "
                       "first window, the audio round); first_audio, the HTTP request's start to its first audio",
+    "engine_thread": "each part's share of the engine thread's time over the rate (the server's /metrics before "
+                     "and after it; None where it has none): idle (no work), step (scheduling, launching, "
+                     "reading outputs), deliver (the audio round on the engine thread), each *_device_wait its "
+                     "waits for the GPU; a server whose thread mostly waits for the device is bound by it",
 }
 SERVER_MEANS = {"to_first_token": "chattts_engine_first_token_seconds",
                 "to_first_audio": "chattts_engine_first_audio_seconds",
@@ -250,13 +254,11 @@ async def _warm_up(cfg: OpenLoopConfig) -> float:
     return time.perf_counter() - begun
 
 
-def scrape_sums(url: str) -> dict[str, tuple[float, float]] | None:
-    """Each of ``SERVER_MEANS``' histograms on the server's ``/metrics``: (sum, count) over its series (fronts
-    and replicas); None when the page cannot be read."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as page:
-            text = page.read().decode()
-    except (OSError, ValueError):
+def scrape_sums(url: str, text: str | None = None) -> dict[str, tuple[float, float]] | None:
+    """Each of ``SERVER_MEANS``' histograms on the server's ``/metrics`` (or on its page ``text``, read before):
+    (sum, count) over its series (fronts and replicas); None when the page cannot be read."""
+    text = metrics_page(url) if text is None else text
+    if text is None:
         return None
     sums = {}
     for name in SERVER_MEANS.values():
@@ -279,9 +281,11 @@ def server_means(before, after) -> dict[str, float | None] | None:
 
 
 def _measured_rate(cfg: OpenLoopConfig, rate: float, processes: int) -> dict:
-    before = scrape_sums(cfg.url)
+    before = metrics_page(cfg.url)
     row = run_rate(cfg, rate, processes)
-    return dict(row, server_mean_ms=server_means(before, scrape_sums(cfg.url)))
+    after = metrics_page(cfg.url)
+    return dict(row, server_mean_ms=server_means(scrape_sums(cfg.url, before), scrape_sums(cfg.url, after)),
+                engine_thread=thread_shares(thread_seconds(before), thread_seconds(after)))
 
 
 def run_and_report(cfg: OpenLoopConfig) -> dict:
@@ -302,6 +306,9 @@ def run_and_report(cfg: OpenLoopConfig) -> dict:
         print("server side, mean ms (to first token, then to first audio; first audio): " + "; ".join(
             f"{rate:g} req/s: {_cell(m['to_first_token'])}, {_cell(m['to_first_audio'])}; {_cell(m['first_audio'])}"
             for rate, m in means))
+    for r in rows:
+        if r.get("engine_thread"):
+            print(f"engine thread at {r['rate']:g} req/s: {format_shares(r['engine_thread'])}")
     for r in rows:
         if r["client_cpu_s"] > CLIENT_BOUND * r["wall_s"] or (r["send_lag_p99_ms"] or 0) > LAG_BOUND_S * 1e3:
             print(f"warning: at {r['rate']:g} req/s a client process was busy {r['client_cpu_s']:.1f} s of "

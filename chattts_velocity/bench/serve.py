@@ -18,6 +18,7 @@ import numpy as np
 from ..constants import SAMPLE_RATE
 from .http_client import Connection
 from .report import require_matplotlib
+from .server_metrics import format_shares, metrics_page, thread_seconds, thread_shares
 
 TEXT = "Streaming speech for many users at once, chunk by chunk, as soon as it is generated."
 
@@ -228,10 +229,13 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
     warm = replace(cfg, requests_per_stream=1)
     for n in sorted({1, min(8, max(cfg.streams))}):  # untimed: connections, and whatever the server warms lazily
         check_warm_up(_level(warm, n), cfg.url)
-    rows = [_level(cfg, n) for n in cfg.streams]
+    rows = [_measured_level(cfg, n) for n in cfg.streams]
     report = {"config": asdict(cfg), "rows": rows}
     print(f"server {cfg.url}, pcm streaming, {cfg.requests_per_stream} request(s) per client")
     print(format_table(rows))
+    for r in rows:
+        if r.get("engine_thread"):
+            print(f"engine thread at {r['streams']} streams: {format_shares(r['engine_thread'])}")
     for r in rows:
         if r["failures"]:
             print(f"warning: at {r['streams']} streams {r['failures']} of {r['requests']} requests failed: "
@@ -246,6 +250,14 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
     if cfg.plot_path:
         _plot(rows, cfg.plot_path)
     return report
+
+
+def _measured_level(cfg: ServeBenchConfig, n: int) -> dict:
+    """A level with ``engine_thread``: each part's share of the engine thread's time over it, from the server's
+    ``/metrics`` before and after (None where it has none)."""
+    before = thread_seconds(metrics_page(cfg.url))
+    row = _level(cfg, n)
+    return dict(row, engine_thread=thread_shares(before, thread_seconds(metrics_page(cfg.url))))
 
 
 def check_warm_up(row: dict, url: str) -> None:

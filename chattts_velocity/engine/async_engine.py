@@ -22,12 +22,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..device import device_wait_s
 from .engine_config import EngineConfig
 from .llm_engine import EngineStats, LLMEngine
 from .request_stream import RequestStream, RequestTimes
 from .sampling_params import SamplingParams
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence
-from .timings import Timings
+from .timings import THREAD_PARTS, Timings
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class AsyncLLMEngine:
         self._loop_time = Timings()
         self._first_token_wait = Timings()
         self._first_audio_wait = Timings()
+        self._thread_time = dict.fromkeys(THREAD_PARTS, 0.0)  # the engine thread's (``EngineStats.thread_time``)
         self._young: dict[str, RequestTimes] = {}
         """Requests with a first token and no first audio yet (engine thread): ``_first_audio_wait``."""
         self._late: dict[str, float] = {}
@@ -191,7 +193,7 @@ class AsyncLLMEngine:
                 requests[rid] = stream.times[rid]
             engine = replace(self._stats, abort_wait=self._abort_wait.copy(), loop_time=self._loop_time.copy(),
                              first_token_wait=self._first_token_wait.copy(),
-                             first_audio_wait=self._first_audio_wait.copy())
+                             first_audio_wait=self._first_audio_wait.copy(), thread_time=dict(self._thread_time))
             return AsyncStats(engine=engine, num_requests=self._num_requests, requests=requests)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -270,29 +272,41 @@ class AsyncLLMEngine:
             self._loop()
 
     def _loop(self) -> None:
-        engine = self.engine
+        engine, spent = self.engine, self._thread_time
         while True:
             with self._lock:
                 self._idle = not engine.has_unfinished_requests()
                 if self._idle:
                     self._lock.notify_all()
+                waited = time.perf_counter()
                 while not (self._new or self._aborts or engine.has_unfinished_requests() or self._stopping):
                     self._lock.wait()
+                spent["idle"] += time.perf_counter() - waited
                 if self._stopping and not (self._new or self._aborts or engine.has_unfinished_requests()):
                     self._lock.notify_all()
                     return
                 if self._idle:
                     self._beat = time.monotonic()
                 self._idle = False
-            turn = time.monotonic()
+            turn, clock, device = time.monotonic(), time.perf_counter(), device_wait_s()
             self._take_pending()
             try:
                 outputs = engine.step()
             except Exception as err:  # noqa: BLE001 - the engine failed outside any one batch: fail everyone
                 logger.exception("engine step failed; failing every request")
                 outputs = self._fail_all(err)
+            clock, device = self._spent("step", clock, device)
             self._dispatch(outputs)
+            self._spent("deliver", clock, device)
             self._loop_time.observe(time.monotonic() - turn)
+
+    def _spent(self, part: str, clock: float, device: float) -> tuple[float, float]:
+        """Add the time since ``clock`` (``perf_counter``) to ``part`` of ``_thread_time``, the device waits
+        since ``device`` (``device_wait_s``) to its ``_device_wait``; the clocks now."""
+        now, waits = time.perf_counter(), device_wait_s()
+        self._thread_time[part] += now - clock - (waits - device)
+        self._thread_time[part + "_device_wait"] += waits - device
+        return now, waits
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

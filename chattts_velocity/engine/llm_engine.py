@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import wait_for
 from .block_manager import BlockSpaceManager
 from .engine_config import EngineConfig
 from .model_runner import LaunchedStep, ModelRunner, OpenWindow
@@ -60,6 +61,9 @@ class EngineStats:
     first_audio_wait: Timings | None = None
     """A streamed request, from its first token to its first audio: its first window and the audio round that
     decodes it (set likewise)."""
+    thread_time: dict[str, float] | None = None
+    """Seconds the engine thread has spent in each of ``timings.THREAD_PARTS`` since it began (set likewise):
+    over an interval, whether the engine waited for the device (device-bound) or the device for the host."""
 
 
 class LLMEngine:
@@ -213,7 +217,7 @@ class LLMEngine:
             return
         with torch.cuda.stream(stream):
             yield
-        stream.synchronize()
+        wait_for(stream)
 
     def launch_ahead(self, first_audio: bool | None = None) -> bool:
         """Launch the next step now, when nothing is queued and it brings sequences to their first audio

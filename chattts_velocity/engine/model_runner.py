@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..device import wait_for
 from ..kernels.linear import CpuWeight
 from ..model.llama import AttentionMetadata, LlamaCore
 from .engine_config import EngineConfig
@@ -194,7 +195,7 @@ class ModelRunner:
         sequences keep the blocks reserved for the rest). The step to collect, and whether it ended early."""
         while window.queued < window.planned:
             if self._step_events and window.queued >= ahead:
-                self._step_events[window.queued - ahead].synchronize()
+                wait_for(self._step_events[window.queued - ahead])
             if stop():
                 break
             self._queue(window)
@@ -220,7 +221,7 @@ class ModelRunner:
     def wait(self, step: LaunchedStep) -> None:
         """Wait until the device has computed ``step`` (and copied its tokens to the host)."""
         if step.done is not None:
-            step.done.synchronize()
+            wait_for(step.done)
 
     def collect(self, step: LaunchedStep) -> list[list[tuple[int, ...]]]:
         """Wait for ``step``; tokens[i][j] of sequence i at step j (hidden states: ``step.hidden``)."""

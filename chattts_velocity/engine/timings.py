@@ -34,3 +34,10 @@ class Timings:
             running += n
             out.append((bound, running))
         return out
+
+
+THREAD_PARTS = ("idle", "step", "step_device_wait", "deliver", "deliver_device_wait")
+"""Where the engine thread's time goes (``EngineStats.thread_time``): waiting for work; in the engine's step
+(scheduling, launching, reading outputs) apart from ``step_device_wait``, its waits for the device; handing
+the outputs over (the audio round, where it runs on the engine thread, and launching the next step ahead)
+apart from ``deliver_device_wait``, likewise."""

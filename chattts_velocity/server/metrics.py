@@ -12,7 +12,7 @@ import time
 import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.routing import Match
 
@@ -81,7 +81,8 @@ class Metrics:
         """This server's request counters and histograms (not the gauges: the engine's and the admission's
         are the same from every front of one engine)."""
         return [family for family in self.registry.collect()
-                if family.type in ("counter", "histogram") and family.name not in _EngineTimings.NAMES]
+                if family.type in ("counter", "histogram")
+                and family.name not in (*_EngineTimings.NAMES, _EngineTimings.THREAD)]
 
     def collect(self, stats) -> list[Metric]:
         """Every family, with the engine's ``stats`` (what a replica reports to the others)."""
@@ -116,6 +117,8 @@ class _EngineTimings:
             "a streamed request, from its first token to its first audio: its first window and the audio round "
             "that decodes it")
     FIELDS = ("abort_wait", "loop_time", "first_token_wait", "first_audio_wait")
+    THREAD = "chattts_engine_thread_seconds"
+    """``EngineStats.thread_time``: a counter a part (``timings.THREAD_PARTS``)."""
 
     def __init__(self):
         self.stats = None
@@ -126,6 +129,15 @@ class _EngineTimings:
             timings = getattr(stats, attr, None)
             if timings is not None:
                 yield HistogramMetricFamily(name, doc, buckets=timings.cumulative(), sum_value=timings.total_s)
+        parts = getattr(stats, "thread_time", None)
+        if parts is not None:
+            family = CounterMetricFamily(
+                self.THREAD, "the engine thread's time by part: idle (no work), step (the engine's step: "
+                "scheduling, launching, reading outputs), deliver (the outputs handed over: the audio round where "
+                "it runs on the engine thread), each *_device_wait its waits for the device", labels=["part"])
+            for part, seconds in parts.items():
+                family.add_metric([part], seconds)
+            yield family
 
 
 def route_label(scope: dict) -> str:

@@ -1,0 +1,50 @@
+"""What ``bench serve`` reads off a server's ``/metrics`` page around a level or a rate: the engine thread's time by
+part, which says whether the server was bound by its GPU or by its host."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+THREAD_METRIC = "chattts_engine_thread_seconds"
+"""The engine thread's time by part (``timings.THREAD_PARTS``), a counter on the server's ``/metrics``."""
+
+
+def metrics_page(url: str) -> str | None:
+    """The server's ``/metrics`` page; None when it cannot be read."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as page:
+            return page.read().decode()
+    except (OSError, ValueError):
+        return None
+
+
+def thread_seconds(text: str | None) -> dict[str, float] | None:
+    """The engine thread's seconds by part (``THREAD_METRIC``) on a ``/metrics`` page, summed over its series
+    (replicas); None without the page or the family (a server before it)."""
+    found = re.findall(rf'^{THREAD_METRIC}_total{{(?:[^}}]*,)?part="(\w+)"[^}}]*}} (\S+)$', text or "", re.MULTILINE)
+    if not found:
+        return None
+    seconds: dict[str, float] = {}
+    for part, value in found:
+        seconds[part] = seconds.get(part, 0.0) + float(value)
+    return seconds
+
+
+def thread_shares(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """``engine_thread``: each part's share of the engine thread's time between two ``thread_seconds``."""
+    if before is None or after is None:
+        return None
+    spent = {part: after[part] - before.get(part, 0.0) for part in after}
+    total = sum(spent.values())
+    return {part: seconds / total for part, seconds in spent.items()} if total > 0 else None
+
+
+def format_shares(shares: dict[str, float]) -> str:
+    """``engine_thread`` as one line: each part's percentage, a part's device waits beside it."""
+    cells = []
+    for part in ("idle", "step", "deliver"):
+        wait = shares.get(part + "_device_wait")
+        cells.append(f"{part} {100 * shares.get(part, 0.0):.0f}%" + ("" if wait is None else
+                                                                     f" + device wait {100 * wait:.0f}%"))
+    return ", ".join(cells)
