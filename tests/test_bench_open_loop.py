@@ -294,3 +294,35 @@ def test_the_engine_threads_shares_come_from_its_counters_before_and_after():
     assert format_shares(shares) == "idle 20%, step 40% + device wait 40%, deliver 0%"
     assert thread_seconds("chattts_engine_loop_seconds_count 3.0") is None and thread_seconds(None) is None
     assert thread_shares(None, after) is None and thread_shares(after, after) is None  # no time passed
+
+
+def _report_imports(tag: str, barrier, out) -> None:
+    """A bench client process's target (``run_client_processes``): what it had imported by the time it ran."""
+    import sys
+
+    barrier.wait()
+    out.put((tag, "torch" in sys.modules, "chattts_velocity.chat" in sys.modules))
+
+
+def test_bench_client_processes_start_without_torch(tmp_path):
+    """The load generator's processes run their target without importing the parent's main module (under the
+    CLI: torch and the model, seconds each) or the package's heavy parts; the parent's main is left as it was.
+    The parent here is a script that imports torch at its top, as the CLI does."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys\n"
+        "import torch  # as the CLI imports it\n"
+        "from test_bench_open_loop import _report_imports\n"
+        "from chattts_velocity.bench.serve import run_client_processes\n"
+        "if __name__ == '__main__':\n"
+        "    before = sys.modules['__main__'].__file__\n"
+        "    parts, _ = run_client_processes(_report_imports, [('a',), ('b',)], timeout_s=60)\n"
+        "    print(sorted(parts), sys.modules['__main__'].__file__ == before)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[('a', False, False), ('b', False, False)] True"

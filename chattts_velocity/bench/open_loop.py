@@ -20,10 +20,10 @@ import numpy as np
 
 from ..constants import SAMPLE_RATE
 from .http_client import Connection
+from .playback import StreamRecord
 from .report import prepare_output, write_json
 from .serve import CLIENT_BOUND, TEXT, run_client_processes
 from .server_metrics import format_shares, metrics_page, thread_seconds, thread_shares
-from .stream import StreamRecord
 
 BYTES_PER_S = 2 * SAMPLE_RATE
 """pcm: 16-bit mono samples at 24 kHz."""

@@ -7,7 +7,9 @@ markdown table and optionally a PNG."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sys
 import threading
 import time
 import uuid
@@ -152,8 +154,9 @@ def run_client_processes(target, args: list[tuple], timeout_s: float) -> tuple[l
     ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (and torch)
     barrier, out = ctx.Barrier(len(args) + 1), ctx.Queue()
     workers = [ctx.Process(target=target, args=(*a, barrier, out), daemon=True) for a in args]
-    for w in workers:
-        w.start()
+    with _main_hidden():
+        for w in workers:
+            w.start()
     try:
         try:
             barrier.wait(timeout=120)  # every process imported and ready: the run starts now
@@ -167,6 +170,22 @@ def run_client_processes(target, args: list[tuple], timeout_s: float) -> tuple[l
             w.join(10)
             if w.is_alive():
                 w.kill()
+
+
+@contextlib.contextmanager
+def _main_hidden():
+    """While processes are spawned, this process's ``__main__`` as one they need not run: a spawned child first
+    re-imports its parent's main module (the CLI, which imports torch and the model code, seconds a process),
+    and a bench client needs only its target's module (``chattts_velocity`` imports the rest when first used)."""
+    space = vars(sys.modules["__main__"])
+    saved = {name: space[name] for name in ("__spec__", "__file__") if name in space}
+    space["__spec__"] = None
+    space.pop("__file__", None)
+    try:
+        yield
+    finally:
+        space.pop("__spec__", None)
+        space.update(saved)
 
 
 def gather_parts(out, workers, timeout_s: float) -> list:

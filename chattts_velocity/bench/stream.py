@@ -14,16 +14,16 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from ..audio.stream import StreamConfig
 from ..chat import Chat
-from ..constants import SAMPLE_RATE
 from ..device import default_engine_dtype, resolve_device
 from ..engine import EngineConfig
 from ..model.checkpoint import write_checkpoint
+from .playback import StreamRecord
 from .runner import device_name
 
 TEXT = "Streaming speech for many users at once, chunk by chunk."
@@ -37,10 +37,6 @@ DEFINITIONS = {
     "stalls_at_chunk": "of the streams that underrun, how many first stall waiting for chunk N (0-based; summed "
                        "over the runs): 1 is the chunk after the first",
 }
-UNDERRUN_S = 1e-3
-"""How late a chunk may come before playback stalls: the clock's and the hand-off's jitter, not a stall."""
-
-
 @dataclass(frozen=True)
 class StreamBenchConfig:
     """One ``bench stream`` run."""
@@ -74,40 +70,6 @@ class StreamBenchConfig:
         if self.size not in ("full", "tiny"):
             raise ValueError(f"--size must be full or tiny, got {self.size!r}")
         StreamConfig(chunk=self.chunk)  # says what is wrong with it
-
-
-@dataclass
-class StreamRecord:
-    """Wall-clock times (seconds from the stream's call) of one stream's chunks."""
-
-    arrivals: list[float] = field(default_factory=list)
-    samples: list[int] = field(default_factory=list)
-    end: float = 0.0
-
-    def audio_s(self) -> float:
-        return sum(self.samples) / SAMPLE_RATE
-
-    def underrun(self) -> bool:
-        """Playback from the first chunk on would wait for a later chunk."""
-        return not self.arrivals or self.start_delay() > UNDERRUN_S
-
-    def start_delay(self) -> float:
-        """The smallest wait after the first chunk before playback that never stalls: how far the latest chunk
-        is behind the audio ahead of it (seconds; inf without any chunk)."""
-        if not self.arrivals:
-            return float("inf")
-        return max(0.0, float(np.max(self._behind())))
-
-    def stall_chunk(self) -> int | None:
-        """The chunk that playback started at the first one would first wait for (None: it never would)."""
-        if not self.underrun() or not self.arrivals:
-            return None
-        return int(np.argmax(self._behind() > UNDERRUN_S))
-
-    def _behind(self) -> np.ndarray:
-        """Per chunk: how long after the audio ahead of it (played from the first chunk on) it arrived."""
-        played = np.cumsum([0, *self.samples[:-1]]) / SAMPLE_RATE
-        return np.array(self.arrivals) - self.arrivals[0] - played
 
 
 def load_bench_chat(cfg: StreamBenchConfig, max_streams: int) -> Chat:
