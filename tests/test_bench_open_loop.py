@@ -318,11 +318,16 @@ def test_bench_client_processes_start_without_torch(tmp_path):
         "import torch  # as the CLI imports it\n"
         "from test_bench_open_loop import _report_imports\n"
         "from chattts_velocity.bench.serve import run_client_processes\n"
+        "def mine(tag, barrier, out):\n"
+        "    barrier.wait()\n"
+        "    out.put((tag, 'torch' in sys.modules))\n"
         "if __name__ == '__main__':\n"
         "    before = sys.modules['__main__'].__file__\n"
         "    parts, _ = run_client_processes(_report_imports, [('a',), ('b',)], timeout_s=60)\n"
-        "    print(sorted(parts), sys.modules['__main__'].__file__ == before)\n")
+        "    print(sorted(parts), sys.modules['__main__'].__file__ == before)\n"
+        "    parts, _ = run_client_processes(mine, [('c',)], timeout_s=60)\n"  # a target in __main__: imported
+        "    print(parts)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[('a', False, False), ('b', False, False)] True"
+    assert done.stdout.split("\n")[:2] == ["[('a', False, False), ('b', False, False)] True", "[('c', True)]"]

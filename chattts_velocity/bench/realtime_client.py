@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 from ..constants import SAMPLE_RATE
-from .stream import StreamRecord
+from .playback import StreamRecord
 
 ROUTE = "/v1/audio/speech/stream"
 CONTEXT = "answer"

@@ -154,7 +154,7 @@ def run_client_processes(target, args: list[tuple], timeout_s: float) -> tuple[l
     ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (and torch)
     barrier, out = ctx.Barrier(len(args) + 1), ctx.Queue()
     workers = [ctx.Process(target=target, args=(*a, barrier, out), daemon=True) for a in args]
-    with _main_hidden():
+    with _main_hidden() if getattr(target, "__module__", "__main__") != "__main__" else contextlib.nullcontext():
         for w in workers:
             w.start()
     try:
@@ -176,7 +176,8 @@ def run_client_processes(target, args: list[tuple], timeout_s: float) -> tuple[l
 def _main_hidden():
     """While processes are spawned, this process's ``__main__`` as one they need not run: a spawned child first
     re-imports its parent's main module (the CLI, which imports torch and the model code, seconds a process),
-    and a bench client needs only its target's module (``chattts_velocity`` imports the rest when first used)."""
+    and a bench client needs only its target's module (``chattts_velocity`` imports the rest when first used).
+    Not for a target that lives in ``__main__`` itself, which the child must import to find it."""
     space = vars(sys.modules["__main__"])
     saved = {name: space[name] for name in ("__spec__", "__file__") if name in space}
     space["__spec__"] = None
