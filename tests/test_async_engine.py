@@ -267,6 +267,17 @@ def test_the_engine_thread_counts_where_its_time_goes(chat, make_async):
     assert engine.stats().engine.thread_time["step"] > first["step"]
 
 
+def test_the_engine_counts_its_prompt_steps_and_windows(chat, make_async):
+    """``EngineStats``: every step read is a prompt step or a decode window; a lone 24-token request of (at most)
+    4-step windows has one prompt step (its first token) and then windows that add up to its other 23 tokens."""
+    engine = make_async(num_decode_steps=4)
+    outs = list(engine.add_request(code_prompt(chat, "count me"), seeded(0, 24, min_new=24)))
+    assert engine.wait_idle(30) and outs[-1].token_ids.shape[0] == 24
+    s = engine.stats().engine
+    assert s.num_prompt_steps == 1 and s.num_window_steps == s.num_window_tokens == 23  # one sequence
+    assert s.num_windows >= -(-23 // 4) and s.num_steps == s.num_prompt_steps + s.num_windows  # (stops cut more)
+
+
 def test_device_waits_are_timed_per_thread():
     """``device.wait_for`` adds the time ``synchronize`` took to the calling thread's ``device_wait_s`` only."""
     import threading

@@ -121,6 +121,9 @@ def test_every_arrival_is_sent_and_counted(report):
         shares = r["engine_thread"]
         assert set(shares) == {"idle", "step", "step_device_wait", "deliver", "deliver_device_wait"}, shares
         assert sum(shares.values()) == pytest.approx(1.0) and shares["step"] > 0, shares
+        steps = r["engine_steps"]  # the engine's prompt steps and windows over the rate
+        assert steps["prompt_steps"] >= 1 and steps["windows"] >= 1 and steps["mean_window_steps"] >= 1, steps
+        assert steps["mean_batch"] >= 1, steps
 
 
 def test_report_has_the_sustained_rate_and_is_written(report, capsys):
@@ -331,3 +334,25 @@ def test_bench_client_processes_start_without_torch(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:2] == ["[('a', False, False), ('b', False, False)] True", "[('c', True)]"]
+
+
+def test_the_engines_windows_come_from_its_counters_before_and_after():
+    """``engine_steps``: each step counter of every series added, the windows and their means over the rate;
+    None without both pages or on a server without the counters."""
+    from chattts_velocity.bench.server_metrics import engine_counts, format_windows, windows_between
+
+    def page(prompts: int, windows: int, steps: int, tokens: int) -> str:
+        return "\n".join([
+            f"chattts_engine_prompt_steps_total {prompts}", f"chattts_engine_windows_total {windows}",
+            f'chattts_engine_window_steps_total{{replica="a"}} {steps}',
+            f'chattts_engine_window_steps_total{{replica="b"}} {steps}',
+            f"chattts_engine_window_tokens_total {tokens}", "chattts_engine_windows_created 1.7e+09", ""])
+
+    before, after = engine_counts(page(2, 10, 50, 400)), engine_counts(page(6, 30, 150, 2400))
+    assert before == {"prompt_steps": 2.0, "windows": 10.0, "window_steps": 100.0, "window_tokens": 400.0}
+    steps = windows_between(before, after)
+    assert steps == {"prompt_steps": 4, "windows": 20, "mean_window_steps": 10.0, "mean_batch": 10.0}
+    assert format_windows(steps) == "20 decode windows of 10.0 steps at a batch of 10.0, 4 prompt steps"
+    assert windows_between(before, before)["mean_window_steps"] is None
+    assert format_windows(windows_between(before, before)) == "0 prompt steps, no decode window"
+    assert engine_counts("chattts_engine_windows_total 3") is None and windows_between(None, after) is None

@@ -212,6 +212,13 @@ def test_models_health_and_metrics(server):
     parts = {part: metric(server.url, f'chattts_engine_thread_seconds_total{{part="{part}"}}')
              for part in ("idle", "step", "step_device_wait", "deliver", "deliver_device_wait")}
     assert parts["step"] > 0 and parts["deliver"] > 0 and parts["idle"] > 0, parts
+    # and its steps: prompt steps, decode windows, their steps and tokens
+    counts = {name: metric(server.url, name + "_total") for name in (
+        "chattts_engine_prompt_steps", "chattts_engine_windows", "chattts_engine_window_steps",
+        "chattts_engine_window_tokens")}
+    assert all(v > 0 for v in counts.values()), counts
+    assert counts["chattts_engine_window_tokens"] >= counts["chattts_engine_window_steps"] >= counts[
+        "chattts_engine_windows"], counts
 
 
 def test_metrics_time_the_garbage_collections(server, client):

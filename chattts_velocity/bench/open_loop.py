@@ -23,7 +23,15 @@ from .http_client import Connection
 from .playback import StreamRecord
 from .report import prepare_output, write_json
 from .serve import CLIENT_BOUND, TEXT, run_client_processes
-from .server_metrics import format_shares, metrics_page, thread_seconds, thread_shares
+from .server_metrics import (
+    engine_counts,
+    format_shares,
+    format_windows,
+    metrics_page,
+    thread_seconds,
+    thread_shares,
+    windows_between,
+)
 
 BYTES_PER_S = 2 * SAMPLE_RATE
 """pcm: 16-bit mono samples at 24 kHz."""
@@ -52,6 +60,8 @@ DEFINITIONS = {
                      "and after it; None where it has none): idle (no work), step (scheduling, launching, "
                      "reading outputs), deliver (the audio round on the engine thread), each *_device_wait its "
                      "waits for the GPU; a server whose thread mostly waits for the device is bound by it",
+    "engine_steps": "the engine's prompt steps and decode windows over the rate (its /metrics), with the mean "
+                    "window in steps (a host turn each) and the mean decode batch",
 }
 SERVER_MEANS = {"to_first_token": "chattts_engine_first_token_seconds",
                 "to_first_audio": "chattts_engine_first_audio_seconds",
@@ -285,7 +295,8 @@ def _measured_rate(cfg: OpenLoopConfig, rate: float, processes: int) -> dict:
     row = run_rate(cfg, rate, processes)
     after = metrics_page(cfg.url)
     return dict(row, server_mean_ms=server_means(scrape_sums(cfg.url, before), scrape_sums(cfg.url, after)),
-                engine_thread=thread_shares(thread_seconds(before), thread_seconds(after)))
+                engine_thread=thread_shares(thread_seconds(before), thread_seconds(after)),
+                engine_steps=windows_between(engine_counts(before), engine_counts(after)))
 
 
 def run_and_report(cfg: OpenLoopConfig) -> dict:
@@ -308,7 +319,8 @@ def run_and_report(cfg: OpenLoopConfig) -> dict:
             for rate, m in means))
     for r in rows:
         if r.get("engine_thread"):
-            print(f"engine thread at {r['rate']:g} req/s: {format_shares(r['engine_thread'])}")
+            print(f"engine at {r['rate']:g} req/s: its thread {format_shares(r['engine_thread'])}"
+                  + (f"; {format_windows(r['engine_steps'])}" if r.get("engine_steps") else ""))
     for r in rows:
         if r["client_cpu_s"] > CLIENT_BOUND * r["wall_s"] or (r["send_lag_p99_ms"] or 0) > LAG_BOUND_S * 1e3:
             print(f"warning: at {r['rate']:g} req/s a client process was busy {r['client_cpu_s']:.1f} s of "

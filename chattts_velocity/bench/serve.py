@@ -20,7 +20,15 @@ import numpy as np
 from ..constants import SAMPLE_RATE
 from .http_client import Connection
 from .report import require_matplotlib
-from .server_metrics import format_shares, metrics_page, thread_seconds, thread_shares
+from .server_metrics import (
+    engine_counts,
+    format_shares,
+    format_windows,
+    metrics_page,
+    thread_seconds,
+    thread_shares,
+    windows_between,
+)
 
 TEXT = "Streaming speech for many users at once, chunk by chunk, as soon as it is generated."
 
@@ -255,7 +263,8 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
     print(format_table(rows))
     for r in rows:
         if r.get("engine_thread"):
-            print(f"engine thread at {r['streams']} streams: {format_shares(r['engine_thread'])}")
+            print(f"engine at {r['streams']} streams: its thread {format_shares(r['engine_thread'])}"
+                  + (f"; {format_windows(r['engine_steps'])}" if r.get("engine_steps") else ""))
     for r in rows:
         if r["failures"]:
             print(f"warning: at {r['streams']} streams {r['failures']} of {r['requests']} requests failed: "
@@ -273,11 +282,14 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
 
 
 def _measured_level(cfg: ServeBenchConfig, n: int) -> dict:
-    """A level with ``engine_thread``: each part's share of the engine thread's time over it, from the server's
-    ``/metrics`` before and after (None where it has none)."""
-    before = thread_seconds(metrics_page(cfg.url))
+    """A level with ``engine_thread`` (each part's share of the engine thread's time over it) and
+    ``engine_steps`` (its prompt steps and decode windows), from the server's ``/metrics`` before and after
+    (None where it has none)."""
+    before = metrics_page(cfg.url)
     row = _level(cfg, n)
-    return dict(row, engine_thread=thread_shares(before, thread_seconds(metrics_page(cfg.url))))
+    after = metrics_page(cfg.url)
+    return dict(row, engine_thread=thread_shares(thread_seconds(before), thread_seconds(after)),
+                engine_steps=windows_between(engine_counts(before), engine_counts(after)))
 
 
 def check_warm_up(row: dict, url: str) -> None:

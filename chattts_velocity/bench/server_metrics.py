@@ -8,6 +8,9 @@ import urllib.request
 
 THREAD_METRIC = "chattts_engine_thread_seconds"
 """The engine thread's time by part (``timings.THREAD_PARTS``), a counter on the server's ``/metrics``."""
+STEP_COUNTERS = {"prompt_steps": "chattts_engine_prompt_steps", "windows": "chattts_engine_windows",
+                 "window_steps": "chattts_engine_window_steps", "window_tokens": "chattts_engine_window_tokens"}
+"""The engine's step counters on ``/metrics`` (``EngineStats.num_prompt_steps`` ...)."""
 
 
 def metrics_page(url: str) -> str | None:
@@ -48,3 +51,35 @@ def format_shares(shares: dict[str, float]) -> str:
         cells.append(f"{part} {100 * shares.get(part, 0.0):.0f}%" + ("" if wait is None else
                                                                      f" + device wait {100 * wait:.0f}%"))
     return ", ".join(cells)
+
+
+def engine_counts(text: str | None) -> dict[str, float] | None:
+    """``STEP_COUNTERS`` on a ``/metrics`` page, each summed over its series (replicas); None without the page
+    or the counters (a server before them)."""
+    counts = {}
+    for key, name in STEP_COUNTERS.items():
+        found = re.findall(rf"^{name}_total(?:{{[^}}]*}})? (\S+)$", text or "", re.MULTILINE)
+        if not found:
+            return None
+        counts[key] = sum(map(float, found))
+    return counts
+
+
+def windows_between(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """``engine_steps``: the engine's prompt steps and decode windows between two ``engine_counts``, with the
+    mean window (steps) and the mean decode batch (sequences)."""
+    if before is None or after is None:
+        return None
+    d = {key: after[key] - before[key] for key in STEP_COUNTERS}
+    return {"prompt_steps": int(d["prompt_steps"]), "windows": int(d["windows"]),
+            "mean_window_steps": d["window_steps"] / d["windows"] if d["windows"] else None,
+            "mean_batch": d["window_tokens"] / d["window_steps"] if d["window_steps"] else None}
+
+
+def format_windows(steps: dict) -> str:
+    """``engine_steps`` as words."""
+    if not steps["windows"]:
+        return f"{steps['prompt_steps']} prompt steps, no decode window"
+    return (f"{steps['windows']} decode windows of {steps['mean_window_steps']:.1f} steps at a batch of "
+            f"{steps['mean_batch']:.1f}, {steps['prompt_steps']} prompt steps")
+

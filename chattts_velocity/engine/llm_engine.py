@@ -50,6 +50,14 @@ class EngineStats:
     """Most sequences computed together in one step so far."""
     num_failed: int
     """Requests failed by a step error."""
+    num_prompt_steps: int = 0
+    """Steps read that computed prompts (a step with any prompt tokens; its decode rows ride along)."""
+    num_windows: int = 0
+    """Decode windows read: each a graph replay per step, then one read of its tokens by the host."""
+    num_window_steps: int = 0
+    """Their steps: ``num_window_steps / num_windows`` is the mean window, the host's turn per so many steps."""
+    num_window_tokens: int = 0
+    """Their steps times their sequences: over ``num_window_steps``, the mean decode batch."""
     abort_wait: Timings | None = None
     """From an abort asked of ``AsyncLLMEngine`` to its blocks freed (set by ``AsyncLLMEngine.stats``)."""
     loop_time: Timings | None = None
@@ -115,7 +123,8 @@ class LLMEngine:
         self._batch: list[Sequence] = []
         """The sequences of the step running now (those a failure concerns)."""
         self._totals = dict(num_steps=0, num_prompt_tokens=0, num_generated_tokens=0, max_batch_size=0,
-                            num_failed=0)
+                            num_failed=0, num_prompt_steps=0, num_windows=0, num_window_steps=0,
+                            num_window_tokens=0)
 
     @classmethod
     def from_model(cls, model, config: EngineConfig | None = None, device: torch.device | str = "cpu") -> LLMEngine:
@@ -281,6 +290,7 @@ class LLMEngine:
         self.runner.wait(window)
         waited, self._waited = self._waited, time.perf_counter() - waiting_from
         tokens = self.runner.collect(window)
+        self._count_read(window)
         self._time_steps(window)
         self._fit_window(window, ready_at - window.launched_at - waited)
         sampled = []
@@ -309,6 +319,16 @@ class LLMEngine:
         device_s = window.device_s()
         if device_s is not None:
             self.scheduler.fit_window(window.num_steps, device_s, host_s, len(window.seqs))
+
+    def _count_read(self, window: LaunchedStep) -> None:
+        """A step read: a prompt step, or a decode window of its steps and sequences (``EngineStats``)."""
+        t = self._totals
+        if not window.decode:
+            t["num_prompt_steps"] += 1
+            return
+        t["num_windows"] += 1
+        t["num_window_steps"] += window.num_steps
+        t["num_window_tokens"] += window.num_steps * len(window.seqs)
 
     def _count(self, plan) -> None:
         t = self._totals

@@ -82,7 +82,7 @@ class Metrics:
         are the same from every front of one engine)."""
         return [family for family in self.registry.collect()
                 if family.type in ("counter", "histogram")
-                and family.name not in (*_EngineTimings.NAMES, _EngineTimings.THREAD)]
+                and family.name not in _EngineTimings.ENGINE_FAMILIES]
 
     def collect(self, stats) -> list[Metric]:
         """Every family, with the engine's ``stats`` (what a replica reports to the others)."""
@@ -119,6 +119,14 @@ class _EngineTimings:
     FIELDS = ("abort_wait", "loop_time", "first_token_wait", "first_audio_wait")
     THREAD = "chattts_engine_thread_seconds"
     """``EngineStats.thread_time``: a counter a part (``timings.THREAD_PARTS``)."""
+    COUNTS = (("chattts_engine_prompt_steps", "num_prompt_steps", "engine steps that computed prompts"),
+              ("chattts_engine_windows", "num_windows", "decode windows (a host turn each)"),
+              ("chattts_engine_window_steps", "num_window_steps", "steps of the decode windows"),
+              ("chattts_engine_window_tokens", "num_window_tokens",
+               "tokens of the decode windows (their steps times their sequences)"))
+    """Counters of the engine's steps (``EngineStats``): the mean window and decode batch over an interval."""
+    ENGINE_FAMILIES = frozenset((*NAMES, THREAD, *(name for name, _, _ in COUNTS)))
+    """Every family here: one engine's, the same from each of its fronts, so never summed across them."""
 
     def __init__(self):
         self.stats = None
@@ -129,6 +137,10 @@ class _EngineTimings:
             timings = getattr(stats, attr, None)
             if timings is not None:
                 yield HistogramMetricFamily(name, doc, buckets=timings.cumulative(), sum_value=timings.total_s)
+        for name, attr, doc in self.COUNTS:
+            count = getattr(stats, attr, None)
+            if count is not None:
+                yield CounterMetricFamily(name, doc, value=count)
         parts = getattr(stats, "thread_time", None)
         if parts is not None:
             family = CounterMetricFamily(
