@@ -124,6 +124,7 @@ def test_every_arrival_is_sent_and_counted(report):
         steps = r["engine_steps"]  # the engine's prompt steps and windows over the rate
         assert steps["prompt_steps"] >= 1 and steps["windows"] >= 1 and steps["mean_window_steps"] >= 1, steps
         assert steps["mean_batch"] >= 1, steps
+        assert r["gpu_busy"] is None or 0 <= r["gpu_busy"] <= 1  # (None without nvidia-smi)
 
 
 def test_report_has_the_sustained_rate_and_is_written(report, capsys):
@@ -356,3 +357,33 @@ def test_the_engines_windows_come_from_its_counters_before_and_after():
     assert windows_between(before, before)["mean_window_steps"] is None
     assert format_windows(windows_between(before, before)) == "0 prompt steps, no decode window"
     assert engine_counts("chattts_engine_windows_total 3") is None and windows_between(None, after) is None
+
+
+def test_gpu_busy_samples_nvidia_smi_for_a_server_on_this_machine(tmp_path, monkeypatch):
+    """``GpuBusy``: nvidia-smi's utilization (every GPU, every sample) averaged over the block it wraps, for a
+    loopback server only; None without nvidia-smi, for a remote server, or without a sample."""
+    import os
+    import stat
+
+    from chattts_velocity.bench.server_metrics import GpuBusy, format_engine
+
+    fake = tmp_path / "nvidia-smi"  # two GPUs, a line each per sample, until stopped
+    fake.write_text("#!/bin/sh\nwhile true; do echo 30; echo 50; sleep 0.02; done\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000/", "http://[::1]:8000"):
+        with GpuBusy(url) as gpu:
+            time.sleep(0.3)
+        assert gpu.samples >= 4 and gpu.mean == pytest.approx(0.4, abs=0.1), (url, gpu.samples, gpu.mean)
+    with GpuBusy("http://10.0.0.7:8000") as remote:  # another machine's GPU is not this one's
+        time.sleep(0.05)
+    assert remote.mean is None and remote.samples == 0
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with GpuBusy("http://127.0.0.1:8000") as missing:
+        pass
+    assert missing.mean is None
+    row = {"gpu_busy": 0.375, "engine_thread": {"idle": 0.5, "step": 0.5},
+           "engine_steps": {"prompt_steps": 1, "windows": 0, "mean_window_steps": None, "mean_batch": None}}
+    assert format_engine(row) == ("GPU busy 38%; engine thread idle 50%, step 50%, deliver 0%; 1 prompt steps, "
+                                  "no decode window")
+    assert format_engine({"gpu_busy": None, "engine_thread": None}) == ""

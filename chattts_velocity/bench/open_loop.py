@@ -24,9 +24,9 @@ from .playback import StreamRecord
 from .report import prepare_output, write_json
 from .serve import CLIENT_BOUND, TEXT, run_client_processes
 from .server_metrics import (
+    GpuBusy,
     engine_counts,
-    format_shares,
-    format_windows,
+    format_engine,
     metrics_page,
     thread_seconds,
     thread_shares,
@@ -62,6 +62,8 @@ DEFINITIONS = {
                      "waits for the GPU; a server whose thread mostly waits for the device is bound by it",
     "engine_steps": "the engine's prompt steps and decode windows over the rate (its /metrics), with the mean "
                     "window in steps (a host turn each) and the mean decode batch",
+    "gpu_busy": "this machine's GPU utilization over the rate (nvidia-smi: the share of time a kernel ran, every "
+                "100 ms, mean over GPUs and samples), for a server on this machine; None otherwise",
 }
 SERVER_MEANS = {"to_first_token": "chattts_engine_first_token_seconds",
                 "to_first_audio": "chattts_engine_first_audio_seconds",
@@ -292,11 +294,12 @@ def server_means(before, after) -> dict[str, float | None] | None:
 
 def _measured_rate(cfg: OpenLoopConfig, rate: float, processes: int) -> dict:
     before = metrics_page(cfg.url)
-    row = run_rate(cfg, rate, processes)
+    with GpuBusy(cfg.url) as gpu:
+        row = run_rate(cfg, rate, processes)
     after = metrics_page(cfg.url)
     return dict(row, server_mean_ms=server_means(scrape_sums(cfg.url, before), scrape_sums(cfg.url, after)),
                 engine_thread=thread_shares(thread_seconds(before), thread_seconds(after)),
-                engine_steps=windows_between(engine_counts(before), engine_counts(after)))
+                engine_steps=windows_between(engine_counts(before), engine_counts(after)), gpu_busy=gpu.mean)
 
 
 def run_and_report(cfg: OpenLoopConfig) -> dict:
@@ -318,9 +321,8 @@ def run_and_report(cfg: OpenLoopConfig) -> dict:
             f"{rate:g} req/s: {_cell(m['to_first_token'])}, {_cell(m['to_first_audio'])}; {_cell(m['first_audio'])}"
             for rate, m in means))
     for r in rows:
-        if r.get("engine_thread"):
-            print(f"engine at {r['rate']:g} req/s: its thread {format_shares(r['engine_thread'])}"
-                  + (f"; {format_windows(r['engine_steps'])}" if r.get("engine_steps") else ""))
+        if line := format_engine(r):
+            print(f"at {r['rate']:g} req/s: {line}")
     for r in rows:
         if r["client_cpu_s"] > CLIENT_BOUND * r["wall_s"] or (r["send_lag_p99_ms"] or 0) > LAG_BOUND_S * 1e3:
             print(f"warning: at {r['rate']:g} req/s a client process was busy {r['client_cpu_s']:.1f} s of "

@@ -21,9 +21,9 @@ from ..constants import SAMPLE_RATE
 from .http_client import Connection
 from .report import require_matplotlib
 from .server_metrics import (
+    GpuBusy,
     engine_counts,
-    format_shares,
-    format_windows,
+    format_engine,
     metrics_page,
     thread_seconds,
     thread_shares,
@@ -262,9 +262,8 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
     print(f"server {cfg.url}, pcm streaming, {cfg.requests_per_stream} request(s) per client")
     print(format_table(rows))
     for r in rows:
-        if r.get("engine_thread"):
-            print(f"engine at {r['streams']} streams: its thread {format_shares(r['engine_thread'])}"
-                  + (f"; {format_windows(r['engine_steps'])}" if r.get("engine_steps") else ""))
+        if line := format_engine(r):
+            print(f"at {r['streams']} streams: {line}")
     for r in rows:
         if r["failures"]:
             print(f"warning: at {r['streams']} streams {r['failures']} of {r['requests']} requests failed: "
@@ -284,12 +283,13 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
 def _measured_level(cfg: ServeBenchConfig, n: int) -> dict:
     """A level with ``engine_thread`` (each part's share of the engine thread's time over it) and
     ``engine_steps`` (its prompt steps and decode windows), from the server's ``/metrics`` before and after
-    (None where it has none)."""
+    (None where it has none), and ``gpu_busy`` (``GpuBusy``: this machine's GPUs, for a server here)."""
     before = metrics_page(cfg.url)
-    row = _level(cfg, n)
+    with GpuBusy(cfg.url) as gpu:
+        row = _level(cfg, n)
     after = metrics_page(cfg.url)
     return dict(row, engine_thread=thread_shares(thread_seconds(before), thread_seconds(after)),
-                engine_steps=windows_between(engine_counts(before), engine_counts(after)))
+                engine_steps=windows_between(engine_counts(before), engine_counts(after)), gpu_busy=gpu.mean)
 
 
 def check_warm_up(row: dict, url: str) -> None:

@@ -3,8 +3,12 @@ part, which says whether the server was bound by its GPU or by its host."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import shutil
+import subprocess
 import urllib.request
+from urllib.parse import urlsplit
 
 THREAD_METRIC = "chattts_engine_thread_seconds"
 """The engine thread's time by part (``timings.THREAD_PARTS``), a counter on the server's ``/metrics``."""
@@ -82,4 +86,61 @@ def format_windows(steps: dict) -> str:
         return f"{steps['prompt_steps']} prompt steps, no decode window"
     return (f"{steps['windows']} decode windows of {steps['mean_window_steps']:.1f} steps at a batch of "
             f"{steps['mean_batch']:.1f}, {steps['prompt_steps']} prompt steps")
+
+
+class GpuBusy:
+    """This machine's GPU utilization while a level runs, from ``nvidia-smi`` (the share of time a kernel ran,
+    sampled every ``period_ms``, averaged over the GPUs and the samples): for a server on this machine, whether
+    its GPU or its host was the bottleneck. Samples only where ``url`` is this machine's (a loopback address)
+    and ``nvidia-smi`` is on the path; ``mean`` (0-1) is None otherwise, or without a sample."""
+
+    def __init__(self, url: str, period_ms: int = 100):
+        self.period_ms, self.mean, self.samples = period_ms, None, 0
+        self._on = _loopback(url) and shutil.which("nvidia-smi") is not None
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> GpuBusy:
+        if self._on:
+            try:
+                self._proc = subprocess.Popen(
+                    ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                     "-lms", str(self.period_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            except OSError:
+                self._proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            out, _ = self._proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        values = [int(line) for line in out.split() if line.strip().isdigit()]
+        self.samples = len(values)
+        self.mean = sum(values) / len(values) / 100 if values else None
+
+
+def _loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def format_engine(row: dict) -> str:
+    """A level's or a rate's ``gpu_busy``, ``engine_thread`` and ``engine_steps`` as one line ("" without any)."""
+    parts = []
+    if row.get("gpu_busy") is not None:
+        parts.append(f"GPU busy {100 * row['gpu_busy']:.0f}%")
+    if row.get("engine_thread"):
+        parts.append(f"engine thread {format_shares(row['engine_thread'])}")
+    if row.get("engine_steps"):
+        parts.append(format_windows(row["engine_steps"]))
+    return "; ".join(parts)
 
