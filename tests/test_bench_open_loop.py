@@ -310,7 +310,7 @@ def _report_imports(tag: str, barrier, out) -> None:
 
 def test_bench_client_processes_start_without_torch(tmp_path):
     """The load generator's processes run their target without importing the parent's main module (under the
-    CLI: torch and the model, seconds each) or the package's heavy parts; the parent's main is left as it was.
+    CLI: torch and the model) or the package's heavy parts; the parent's main is left as it was.
     The parent here is a script that imports torch at its top, as the CLI does."""
     import os
     import subprocess

@@ -183,7 +183,7 @@ def run_client_processes(target, args: list[tuple], timeout_s: float) -> tuple[l
 @contextlib.contextmanager
 def _main_hidden():
     """While processes are spawned, this process's ``__main__`` as one they need not run: a spawned child first
-    re-imports its parent's main module (the CLI, which imports torch and the model code, seconds a process),
+    re-imports its parent's main module (the CLI, which imports torch and the model code: docs/perf/serve.md),
     and a bench client needs only its target's module (``chattts_velocity`` imports the rest when first used).
     Not for a target that lives in ``__main__`` itself, which the child must import to find it."""
     space = vars(sys.modules["__main__"])
