@@ -237,12 +237,13 @@ def test_server_means_come_from_the_metrics_before_and_after_a_rate():
 
 
 def test_server_sums_add_every_series_of_a_histogram():
-    """``scrape_sums`` reads a /metrics page whose histograms have several series (fronts summed already,
+    """``page_sums`` reads a /metrics page whose histograms have several series (fronts summed already,
     replicas labelled apart) and adds them; a page that cannot be read gives None."""
     import http.server
     import threading
 
-    from chattts_velocity.bench.open_loop import scrape_sums
+    from chattts_velocity.bench.open_loop import page_sums
+    from chattts_velocity.bench.server_metrics import metrics_page
 
     page = "\n".join([
         "# TYPE chattts_engine_first_token_seconds histogram",
@@ -267,14 +268,14 @@ def test_server_sums_add_every_series_of_a_histogram():
     httpd = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        sums = scrape_sums(f"http://127.0.0.1:{httpd.server_port}/")
+        sums = page_sums(metrics_page(f"http://127.0.0.1:{httpd.server_port}/"))
     finally:
         httpd.shutdown()
         httpd.server_close()
     assert sums["chattts_engine_first_token_seconds"] == (pytest.approx(0.75), 5.0)
     assert sums["chattts_time_to_first_audio_seconds"] == (1.5, 5.0)
     assert sums["chattts_engine_first_audio_seconds"] == (0.0, 0.0)  # not on the page
-    assert scrape_sums(f"http://127.0.0.1:{httpd.server_port}/") is None  # nobody listens now
+    assert page_sums(metrics_page(f"http://127.0.0.1:{httpd.server_port}/")) is None  # nobody listens now
 
 
 def test_the_engine_threads_shares_come_from_its_counters_before_and_after():

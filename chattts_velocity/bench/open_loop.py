@@ -23,15 +23,7 @@ from .http_client import Connection
 from .playback import StreamRecord
 from .report import prepare_output, write_json
 from .serve import CLIENT_BOUND, TEXT, run_client_processes
-from .server_metrics import (
-    GpuBusy,
-    engine_counts,
-    format_engine,
-    metrics_page,
-    thread_seconds,
-    thread_shares,
-    windows_between,
-)
+from .server_metrics import Readings, format_engine
 
 BYTES_PER_S = 2 * SAMPLE_RATE
 """pcm: 16-bit mono samples at 24 kHz."""
@@ -266,10 +258,9 @@ async def _warm_up(cfg: OpenLoopConfig) -> float:
     return time.perf_counter() - begun
 
 
-def scrape_sums(url: str, text: str | None = None) -> dict[str, tuple[float, float]] | None:
-    """Each of ``SERVER_MEANS``' histograms on the server's ``/metrics`` (or on its page ``text``, read before):
-    (sum, count) over its series (fronts and replicas); None when the page cannot be read."""
-    text = metrics_page(url) if text is None else text
+def page_sums(text: str | None) -> dict[str, tuple[float, float]] | None:
+    """Each of ``SERVER_MEANS``' histograms on a ``/metrics`` page: (sum, count) over its series (fronts and
+    replicas); None without the page (it could not be read)."""
     if text is None:
         return None
     sums = {}
@@ -293,13 +284,10 @@ def server_means(before, after) -> dict[str, float | None] | None:
 
 
 def _measured_rate(cfg: OpenLoopConfig, rate: float, processes: int) -> dict:
-    before = metrics_page(cfg.url)
-    with GpuBusy(cfg.url) as gpu:
+    with Readings(cfg.url) as server:
         row = run_rate(cfg, rate, processes)
-    after = metrics_page(cfg.url)
-    return dict(row, server_mean_ms=server_means(scrape_sums(cfg.url, before), scrape_sums(cfg.url, after)),
-                engine_thread=thread_shares(thread_seconds(before), thread_seconds(after)),
-                engine_steps=windows_between(engine_counts(before), engine_counts(after)), gpu_busy=gpu.mean)
+    return dict(row, server_mean_ms=server_means(page_sums(server.before), page_sums(server.after)),
+                **server.fields())
 
 
 def run_and_report(cfg: OpenLoopConfig) -> dict:

@@ -20,15 +20,7 @@ import numpy as np
 from ..constants import SAMPLE_RATE
 from .http_client import Connection
 from .report import require_matplotlib
-from .server_metrics import (
-    GpuBusy,
-    engine_counts,
-    format_engine,
-    metrics_page,
-    thread_seconds,
-    thread_shares,
-    windows_between,
-)
+from .server_metrics import Readings, format_engine
 
 TEXT = "Streaming speech for many users at once, chunk by chunk, as soon as it is generated."
 
@@ -281,15 +273,11 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
 
 
 def _measured_level(cfg: ServeBenchConfig, n: int) -> dict:
-    """A level with ``engine_thread`` (each part's share of the engine thread's time over it) and
-    ``engine_steps`` (its prompt steps and decode windows), from the server's ``/metrics`` before and after
-    (None where it has none), and ``gpu_busy`` (``GpuBusy``: this machine's GPUs, for a server here)."""
-    before = metrics_page(cfg.url)
-    with GpuBusy(cfg.url) as gpu:
+    """A level with what the server showed of it (``Readings.fields``: the engine thread's time by part, its
+    steps and windows, this machine's GPUs for a server here)."""
+    with Readings(cfg.url) as server:
         row = _level(cfg, n)
-    after = metrics_page(cfg.url)
-    return dict(row, engine_thread=thread_shares(thread_seconds(before), thread_seconds(after)),
-                engine_steps=windows_between(engine_counts(before), engine_counts(after)), gpu_busy=gpu.mean)
+    return dict(row, **server.fields())
 
 
 def check_warm_up(row: dict, url: str) -> None:

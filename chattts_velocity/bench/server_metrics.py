@@ -1,5 +1,6 @@
-"""What ``bench serve`` reads off a server's ``/metrics`` page around a level or a rate: the engine thread's time by
-part, which says whether the server was bound by its GPU or by its host."""
+"""What ``bench serve`` reads of the server around a level or a rate (``Readings``): off its ``/metrics`` page the
+engine thread's time by part and its prompt steps and decode windows, and, for a server on this machine, the
+GPUs' utilization; together they say whether the server was bound by its GPU or by its host."""
 
 from __future__ import annotations
 
@@ -26,16 +27,20 @@ def metrics_page(url: str) -> str | None:
         return None
 
 
+def _counter(text: str | None, name: str) -> list[tuple[str, float]]:
+    """Every series of counter ``name`` on a ``/metrics`` page: (its labels as written, its value)."""
+    return [(labels, float(value)) for labels, value in
+            re.findall(rf"^{name}_total(?:{{([^}}]*)}})? (\S+)$", text or "", re.MULTILINE)]
+
+
 def thread_seconds(text: str | None) -> dict[str, float] | None:
     """The engine thread's seconds by part (``THREAD_METRIC``) on a ``/metrics`` page, summed over its series
     (replicas); None without the page or the family (a server before it)."""
-    found = re.findall(rf'^{THREAD_METRIC}_total{{(?:[^}}]*,)?part="(\w+)"[^}}]*}} (\S+)$', text or "", re.MULTILINE)
-    if not found:
-        return None
     seconds: dict[str, float] = {}
-    for part, value in found:
-        seconds[part] = seconds.get(part, 0.0) + float(value)
-    return seconds
+    for labels, value in _counter(text, THREAD_METRIC):
+        if part := re.search(r'part="(\w+)"', labels):
+            seconds[part.group(1)] = seconds.get(part.group(1), 0.0) + value
+    return seconds or None
 
 
 def thread_shares(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
@@ -60,13 +65,10 @@ def format_shares(shares: dict[str, float]) -> str:
 def engine_counts(text: str | None) -> dict[str, float] | None:
     """``STEP_COUNTERS`` on a ``/metrics`` page, each summed over its series (replicas); None without the page
     or the counters (a server before them)."""
-    counts = {}
-    for key, name in STEP_COUNTERS.items():
-        found = re.findall(rf"^{name}_total(?:{{[^}}]*}})? (\S+)$", text or "", re.MULTILINE)
-        if not found:
-            return None
-        counts[key] = sum(map(float, found))
-    return counts
+    counts = {key: _counter(text, name) for key, name in STEP_COUNTERS.items()}
+    if not all(counts.values()):
+        return None
+    return {key: sum(value for _, value in series) for key, series in counts.items()}
 
 
 def windows_between(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
@@ -143,4 +145,28 @@ def format_engine(row: dict) -> str:
     if row.get("engine_steps"):
         parts.append(format_windows(row["engine_steps"]))
     return "; ".join(parts)
+
+
+class Readings:
+    """The server around the block it wraps: its ``/metrics`` page before and after (``before``, ``after``; None
+    where it cannot be read) and ``GpuBusy`` through it; ``fields()`` is a row's ``engine_thread``,
+    ``engine_steps`` and ``gpu_busy``."""
+
+    def __init__(self, url: str):
+        self.url, self.before, self.after = url, None, None
+        self._gpu = GpuBusy(url)
+
+    def __enter__(self) -> Readings:
+        self.before = metrics_page(self.url)
+        self._gpu.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._gpu.__exit__(*exc)
+        self.after = metrics_page(self.url)
+
+    def fields(self) -> dict:
+        return {"engine_thread": thread_shares(thread_seconds(self.before), thread_seconds(self.after)),
+                "engine_steps": windows_between(engine_counts(self.before), engine_counts(self.after)),
+                "gpu_busy": self._gpu.mean}
 
