@@ -172,9 +172,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--audio-round-ms", type=float, default=d.audio_round_ms,
                    help="least time between audio decode rounds holding only later chunks; first chunks are "
                         "decoded at once (default: %(default)s; 0: after every engine step)")
-    s.add_argument("--audio-thread", action="store_true",
-                   help="decode the audio on a thread of its own beside the engine's steps (CUDA): more audio "
-                        "past the sustained rate, an occasional late chunk there (default: between the steps)")
+    s.add_argument("--audio-thread", action=argparse.BooleanOptionalAction, default=d.audio_thread,
+                   help="decode the audio on a thread of its own beside the engine's steps (CUDA; default: on); "
+                        "--no-audio-thread: between the steps")
     s.add_argument("--ws-max-contexts", type=int, default=d.ws_max_contexts,
                    help="realtime socket: contexts open at once per socket (default: %(default)s)")
     s.add_argument("--ws-idle-timeout", type=float, default=d.ws_idle_timeout_s,

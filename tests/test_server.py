@@ -411,7 +411,7 @@ def test_serve_options_map_onto_one_settings_object():
     assert cli("--engine-process") == cli("--engine-process", "--fronts", "1")
     assert cli("--max-window-tokens", "0").load["max_window_tokens"] is None  # 0: no cap
     assert cli("--max-window-tokens", "4096").load["max_window_tokens"] == 4096
-    assert not cli().server.audio_thread and cli("--audio-thread").server.audio_thread
+    assert cli().server.audio_thread and not cli("--no-audio-thread").server.audio_thread  # (on CUDA only)
     assert cli("--open-window-max-seqs", "0").load["open_window_max_seqs"] == 0  # (default: the engine's,
     assert "open_window_max_seqs" not in cli().load  # which checks the value: EngineConfig)
     assert "window_stops" not in cli().load  # the engine's default

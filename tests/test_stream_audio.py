@@ -617,20 +617,57 @@ def test_a_paced_round_decodes_only_the_feeds_with_a_first_or_last_chunk(chat):
 
 
 def test_load_chat_puts_the_audio_rounds_on_a_thread_only_where_the_decodes_are_graphs(upstream_ckpt, caplog):
-    """``serve --audio-thread`` on a CPU: the rounds stay between the engine's steps (eager decodes on a thread
-    of their own trade the GIL with the engine), and the log says the option was ignored."""
+    """``serve``'s audio thread (on by default) on a CPU: the rounds stay between the engine's steps (eager decodes
+    on a thread of their own trade the GIL with the engine), the log says so, and the process's GIL switch
+    interval is left as it was."""
     import logging
+    import sys
 
     from chattts_velocity.serving.load import load_chat
 
-    with caplog.at_level(logging.WARNING, logger="chattts_velocity.serving.load"):
+    before = sys.getswitchinterval()
+    with caplog.at_level(logging.INFO, logger="chattts_velocity.serving.load"):
         chat = load_chat(dict(source="custom", custom_path=upstream_ckpt, device="cpu"), warmup=False,
                          audio_round_ms=20, audio_thread=True)
     try:
         assert chat.pipeline.pump.thread is False and chat.pipeline.pump.round_interval_s == pytest.approx(0.02)
-        assert "audio_thread is ignored on cpu" in caplog.text
+        assert "audio decode rounds between the engine's steps on cpu" in caplog.text
+        assert sys.getswitchinterval() == before
     finally:
         chat.unload()
+
+
+def test_load_chat_with_graphed_decodes_runs_the_rounds_on_a_thread_and_shortens_the_gil_switch(monkeypatch):
+    """Where the wav decodes are CUDA graphs (faked here: ``Chat`` stands in), the pump runs its rounds on a thread
+    of its own and the process's GIL switch interval drops to ``AUDIO_THREAD_SWITCH_S``, never rising above a
+    shorter one set before; with the option off, neither happens."""
+    import sys
+    from types import SimpleNamespace
+
+    import chattts_velocity.serving.load as load_mod
+
+    class FakeChat:
+        def __init__(self):
+            self.pipeline = SimpleNamespace(pump=SimpleNamespace(thread=False, round_interval_s=0.05))
+            self.audio = SimpleNamespace(graphs=object())
+
+        def load(self, **kw):
+            self.kw = kw
+
+    monkeypatch.setattr(load_mod, "Chat", FakeChat)
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        off = load_mod.load_chat({"device": "cpu"}, warmup=False, audio_thread=False)
+        assert off.pipeline.pump.thread is False and sys.getswitchinterval() == pytest.approx(0.005, rel=0.02)
+        on = load_mod.load_chat({"device": "cpu"}, warmup=False, audio_thread=True)
+        assert on.pipeline.pump.thread is True
+        assert sys.getswitchinterval() == pytest.approx(load_mod.AUDIO_THREAD_SWITCH_S, rel=0.02)
+        sys.setswitchinterval(0.0001)
+        load_mod.load_chat({"device": "cpu"}, warmup=False, audio_thread=True)
+        assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.02)  # a shorter one stays
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_windows_are_views_of_the_pushes_and_a_decode_call_copies_once(chat, monkeypatch):

@@ -86,10 +86,11 @@ class ServerConfig:
     """Least time between two audio decode rounds that hold only later chunks (``AudioPump.round_interval_s``):
     a request's first chunk is decoded at once, a later one up to this much later, and under load fewer,
     larger rounds leave the engine more of its time. 0: a round after every engine step."""
-    audio_thread: bool = False
+    audio_thread: bool = True
     """Run the audio decode rounds on a thread of their own beside the engine's (``AudioPump.thread``; CUDA
-    only, where the decodes are CUDA graphs) instead of between its steps: more audio delivered past the
-    sustained rate, an occasional late chunk there (docs/perf/serve.md)."""
+    only, where the decodes are CUDA graphs; the process's GIL switch interval then ``AUDIO_THREAD_SWITCH_S``)
+    rather than between its steps, so that the engine's next window does not wait for a round: a higher
+    sustained open-loop rate (docs/perf/serve.md). False: between the steps."""
     max_body_bytes: int = 1 << 20
     """Largest request body, else 413 (a request of ``max_input_chars`` characters is a small part of it)."""
     max_upload_bytes: int = 16 << 20

@@ -1,11 +1,12 @@
 """Loading a model for serving, the one way every launcher does it (one process, the engine process, a Ray
 replica, the web demo): the device and engine dtype defaults, ``Chat.load``, a warm-up on CUDA so the first
 clients do not pay for compilation and graph capture, long-lived objects kept out of the collector's scans, and
-the audio rounds' pacing."""
+the audio rounds' pacing and thread."""
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 
@@ -18,13 +19,20 @@ from ..params import InferCodeParams
 
 logger = logging.getLogger(__name__)
 
+AUDIO_THREAD_SWITCH_S = 0.0005
+"""The GIL switch interval (``sys.setswitchinterval``) of a process whose audio rounds run on a thread of their
+own: the engine's thread and the pump's hand the GIL to each other at every device wait and launch, and at
+Python's 5 ms each handover can hold the other thread that long (later chunks then come late, and the engine's
+windows start late); measured in docs/perf/serve.md. Never raised: a smaller interval set before is kept."""
+
 
 def load_chat(load: dict, warmup: bool | None = None, audio_round_ms: float | None = None,
               threads: int | None = None, audio_thread: bool = False) -> Chat:
     """``Chat().load(**load)`` with the serving defaults: the device (``device.resolve_device``) and engine dtype
     (``device.default_engine_dtype``) where ``load`` leaves them unset; torch's intra-op ``threads``; ``warm_up``
     when ``warmup`` (default: on CUDA); then ``audio_round_ms`` as the pump's pacing and ``audio_thread`` as its
-    thread where the decodes are CUDA graphs (``ServerConfig``)."""
+    thread where the decodes are CUDA graphs (``ServerConfig``), with this process's GIL switch interval at
+    ``AUDIO_THREAD_SWITCH_S``."""
     if threads is not None:
         torch.set_num_threads(threads)
     device = resolve_device(load.get("device"))
@@ -36,10 +44,12 @@ def load_chat(load: dict, warmup: bool | None = None, audio_round_ms: float | No
         chat.pipeline.pump.round_interval_s = audio_round_ms / 1000
     chat.pipeline.pump.thread = audio_thread and chat.audio.graphs is not None
     if audio_thread and not chat.pipeline.pump.thread:
-        logger.warning("audio_thread is ignored on %s: the audio rounds run between the engine's steps (a thread "
-                       "of their own only where the decodes are CUDA graphs)", device)
+        logger.info("audio decode rounds between the engine's steps on %s (a thread of their own only where the "
+                    "decodes are CUDA graphs)", device)
     elif audio_thread:
-        logger.info("audio decode rounds on a thread of their own")
+        sys.setswitchinterval(min(sys.getswitchinterval(), AUDIO_THREAD_SWITCH_S))
+        logger.info("audio decode rounds on a thread of their own (GIL switch interval %g ms)",
+                    1e3 * sys.getswitchinterval())
     return chat
 
 

@@ -57,8 +57,8 @@ class EngineSettings:
     """Where registered voices are kept (``VoiceRegistry``'s folder)."""
     audio_round_ms: float | None = None
     """The audio pump's pacing (``load_chat``); None: the pipeline's default."""
-    audio_thread: bool = False
-    """The audio pump's rounds on a thread of their own (``load_chat``)."""
+    audio_thread: bool = True
+    """The audio pump's rounds on a thread of their own (``load_chat``; ``ServerConfig.audio_thread``)."""
     warmup: bool | None = None
     """``load_chat``'s warm-up; None: on CUDA."""
     threads: int | None = None
