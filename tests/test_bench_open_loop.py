@@ -309,6 +309,13 @@ def _report_imports(tag: str, barrier, out) -> None:
     out.put((tag, "torch" in sys.modules, "chattts_velocity.chat" in sys.modules))
 
 
+def _report_times(tag: str, barrier, out) -> None:
+    """A bench client process's target: when it was ready, and when it was let go."""
+    ready = time.time()
+    barrier.wait()
+    out.put((tag, ready, time.time()))
+
+
 def test_bench_client_processes_start_without_torch(tmp_path):
     """The load generator's processes run their target without importing the parent's main module (under the
     CLI: torch and the model) or the package's heavy parts; the parent's main is left as it was.
@@ -331,11 +338,18 @@ def test_bench_client_processes_start_without_torch(tmp_path):
         "    parts, _ = run_client_processes(_report_imports, [('a',), ('b',)], timeout_s=60)\n"
         "    print(sorted(parts), sys.modules['__main__'].__file__ == before)\n"
         "    parts, _ = run_client_processes(mine, [('c',)], timeout_s=60)\n"  # a target in __main__: imported
-        "    print(parts)\n")
+        "    print(parts)\n"
+        "    import time\n"
+        "    from test_bench_open_loop import _report_times\n"
+        "    marks = []\n"  # on_start: once every process waits, before any is let go
+        "    parts, _ = run_client_processes(_report_times, [('x',), ('y',)], timeout_s=60,\n"
+        "                                    on_start=lambda: marks.append(time.time()))\n"
+        "    print(len(marks) == 1 and max(p[1] for p in parts) <= marks[0] <= min(p[2] for p in parts))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[:2] == ["[('a', False, False), ('b', False, False)] True", "[('c', True)]"]
+    assert done.stdout.split("\n")[:3] == ["[('a', False, False), ('b', False, False)] True", "[('c', True)]",
+                                          "True"]
 
 
 def test_the_engines_windows_come_from_its_counters_before_and_after():
@@ -388,3 +402,16 @@ def test_gpu_busy_samples_nvidia_smi_for_a_server_on_this_machine(tmp_path, monk
     assert format_engine(row) == ("GPU busy 38%; engine thread idle 50%, step 50%, deliver 0%; 1 prompt steps, "
                                   "no decode window")
     assert format_engine({"gpu_busy": None, "engine_thread": None}) == ""
+
+
+def test_readings_start_where_the_clients_start(monkeypatch):
+    """``Readings.start`` (what a level calls once its clients are ready) takes the page the readings count
+    from: the engine thread's idle time while the clients started is not in a level's shares."""
+    from chattts_velocity.bench import server_metrics
+
+    pages = iter(["chattts_engine_thread_seconds_total{part=\"idle\"} %s\n"
+                  "chattts_engine_thread_seconds_total{part=\"step\"} %s\n" % v for v in ((0, 0), (5, 0), (6, 3))])
+    monkeypatch.setattr(server_metrics, "metrics_page", lambda url: next(pages))
+    with server_metrics.Readings("http://10.0.0.7:8000") as server:
+        server.start()  # 5 s idle before it: the clients' start
+    assert server.fields()["engine_thread"] == pytest.approx({"idle": 0.25, "step": 0.75})

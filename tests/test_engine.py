@@ -704,7 +704,7 @@ def test_prompt_ids_are_checked_against_their_kind(make_engine, monkeypatch, hos
     mask = torch.tensor([True, True, False])
     good = torch.tensor([[5] * 4, [cfg.num_text_tokens - 1] * 4, [cfg.num_audio_tokens - 1] * 4])
     tokens, is_text = engine.validate_request(Prompt(good, mask), SamplingParams())
-    assert tokens == [tuple(r) for r in good.tolist()] and is_text == [True, True, False]
+    assert tokens.dtype == np.int64 and tokens.tolist() == good.tolist() and is_text == [True, True, False]
     for row, value, kind in ((1, cfg.num_text_tokens, "text"), (0, -1, "text"), (2, cfg.num_audio_tokens, "audio"),
                              (2, -3, "audio")):
         bad = good.clone()

@@ -520,3 +520,81 @@ def test_full_windows_grow_while_the_host_outlasts_them_and_shrink_back():
     fixed = Scheduler(bm, 64, 4096, num_decode_steps=8)  # max_decode_steps None: never grows
     fixed.fit_window(8, 0.008, 1.0, 2)
     assert fixed.fitted_steps == 8
+
+
+def test_token_buffer_appends_windows_in_bulk_and_reads_rows_or_tuples():
+    """A sequence's tokens: built from ``Token``s or an array (copied), appended a window of rows at a time
+    (arrays or tuples), read as read-only array views that stay valid as the buffer grows, or as tuples."""
+    import numpy as np
+
+    from chattts_velocity.engine.sequence import TokenBuffer
+
+    prompt = np.arange(12, dtype=np.int64).reshape(3, 4)
+    buf = TokenBuffer(prompt)
+    prompt[0, 0] = -1  # the caller's array stays the caller's
+    assert len(buf) == 3 and buf.width == 4 and buf[0] == (0, 1, 2, 3) and buf[-1] == (8, 9, 10, 11)
+    early = buf.rows()
+    with pytest.raises(ValueError):
+        early[0, 0] = 5  # views are read-only
+    for k in range(40):  # past the first capacity: the buffer grows
+        buf.extend(np.full((3, 4), k, dtype=np.int64))
+    buf.extend([(100,) * 4, (101,) * 4])
+    buf.extend(np.zeros((0, 4), dtype=np.int64))  # nothing
+    assert len(buf) == 3 + 120 + 2
+    assert early.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # an old view still reads its rows
+    assert buf[3:6] == [(0,) * 4] * 3 and buf[-2:] == [(100,) * 4, (101,) * 4]
+    assert buf.rows(-2).tolist() == [[100] * 4, [101] * 4] and buf.rows(3, 4).shape == (1, 4)
+    assert list(buf)[:2] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    buf[0] = (9, 9, 9, 9)
+    assert buf[0] == (9, 9, 9, 9)
+    with pytest.raises(ValueError, match=r"\[k, 4\]"):
+        buf.extend(np.zeros((2, 3), dtype=np.int64))
+    with pytest.raises(ValueError, match="non-empty"):
+        TokenBuffer([])
+    assert TokenBuffer([(1, 2), (3, 4)])[:] == [(1, 2), (3, 4)]
+
+
+def test_block_keys_are_the_same_from_tuples_or_arrays():
+    """A block's prefix-cache key depends on its ids alone, however they are held (a prompt's rows as checked,
+    a window's rows as read back, the tuples of old)."""
+    import numpy as np
+
+    from chattts_velocity.engine.block_manager import block_key
+
+    rows = np.arange(64, dtype=np.int64).reshape(16, 4)
+    as_tuples = [tuple(r) for r in rows.tolist()]
+    text = [True] * 8 + [False] * 8
+    assert block_key(b"", rows, text, b"spk") == block_key(b"", as_tuples, text, b"spk")
+    assert block_key(b"", rows[::1], text, b"spk") == block_key(b"", np.asfortranarray(rows), text, b"spk")
+    assert block_key(b"", rows, text, b"spk") != block_key(b"", rows + 1, text, b"spk")
+
+
+def test_the_engine_finds_each_sequences_eos_for_a_whole_window_at_once():
+    """``LLMEngine._eos_rows``: per sequence of a window, the first step whose token holds its mode's EOS (text
+    or audio) in any codebook, the window's length where none does; and ``Scheduler.accept`` given that row
+    takes what it takes when it finds the EOS itself."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from chattts_velocity.engine.llm_engine import LLMEngine
+
+    engine = SimpleNamespace(text_eos_id=7, model_config=SimpleNamespace(eos_code=9))
+    seqs = [SimpleNamespace(text_mode=m) for m in (False, True, False, True)]
+    tokens = np.ones((4, 5, 4), dtype=np.int64)
+    tokens[0, 3, 2] = 9  # audio EOS in one codebook at step 3
+    tokens[1, 1] = 7  # text EOS at step 1
+    tokens[2, 2, 0] = 7  # a text EOS id in an audio sequence: not its EOS
+    tokens[3, 4, 1] = 9  # an audio EOS id in a text sequence: not its EOS
+    assert LLMEngine._eos_rows(engine, seqs, tokens) == [3, 1, 5, 5]
+    assert LLMEngine._eos_rows(engine, seqs[:1], tokens[:1, :2]) == [2]
+
+    sched, _ = make(num_blocks=32)
+    a, b = make_seq(3, request_id="a", max_new=10), make_seq(3, first=40, request_id="b", max_new=10)
+    for seq in (a, b):
+        sched.add(seq)
+    run_step(sched)
+    window = np.array([[1] * 4, [2, 2, 99, 2], [3] * 4], dtype=np.int64)
+    assert sched.accept(a, window, 99, 1) == sched.accept(b, window, 99) == 1
+    assert a.tokens[a.prompt_len:] == b.tokens[b.prompt_len:] == [(7,) * 4, (1,) * 4]  # run_step's, then one
+    assert a.finish_reason is b.finish_reason is FinishReason.EOS and a.num_generated == b.num_generated == 2

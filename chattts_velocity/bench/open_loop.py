@@ -182,12 +182,15 @@ def _client_process(cfg: OpenLoopConfig, rate: float, part: int, parts: int, bar
     out.put(asyncio.run(_arrivals(cfg, rate, part, parts, barrier)))
 
 
-def run_rate(cfg: OpenLoopConfig, rate: float, processes: int = 1) -> dict:
-    """One rate's row, its arrivals in this process or split over ``processes`` started together."""
+def run_rate(cfg: OpenLoopConfig, rate: float, processes: int = 1, on_start=None) -> dict:
+    """One rate's row, its arrivals in this process or split over ``processes`` started together; ``on_start``
+    is called as the arrivals begin."""
     if processes == 1:
+        if on_start is not None:
+            on_start()
         return summary(cfg, rate, [asyncio.run(_arrivals(cfg, rate, 0, 1))])
     parts, _ = run_client_processes(_client_process, [(cfg, rate, i, processes) for i in range(processes)],
-                                    cfg.duration_s + cfg.drain_s + 60)
+                                    cfg.duration_s + cfg.drain_s + 60, on_start)
     return summary(cfg, rate, parts)
 
 
@@ -285,7 +288,7 @@ def server_means(before, after) -> dict[str, float | None] | None:
 
 def _measured_rate(cfg: OpenLoopConfig, rate: float, processes: int) -> dict:
     with Readings(cfg.url) as server:
-        row = run_rate(cfg, rate, processes)
+        row = run_rate(cfg, rate, processes, server.start)
     return dict(row, server_mean_ms=server_means(page_sums(server.before), page_sums(server.after)),
                 **server.fields())
 

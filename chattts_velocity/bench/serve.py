@@ -57,6 +57,9 @@ class ServeBenchConfig:
             require_matplotlib()
 
 
+START_TIMEOUT_S = 120.0
+"""How long a level's client processes may take to start (import, connect) before the run fails."""
+
 CLIENT_BOUND = 0.8
 """A level with a client process on the CPU over this share of the wall time is reported as maybe client-bound
 (a busy asyncio loop delays its streams well before it is saturated: see ``streams_per_process``)."""
@@ -95,13 +98,14 @@ async def _one(conn: Connection, cfg: ServeBenchConfig, seed: int) -> dict:
             "id": rid, "sent": sent}
 
 
-async def _users(cfg: ServeBenchConfig, users: range, barrier=None) -> tuple[list[dict], float, float]:
+async def _users(cfg: ServeBenchConfig, users: range, barrier=None, on_start=None) -> tuple[list[dict], float, float]:
     """Each user (a client) makes ``requests_per_stream`` requests in a row on a connection of its own: every
     result (in no order), and the ``perf_counter`` and ``process_time`` when the timed part began.
 
     Before it each user's connection is opened (a ``GET /health`` each, at once), then ``barrier`` (if any) is
     waited for, so a level times the server and not the clients' own start: 16 client processes started
-    together connect their streams on the cores the server uses."""
+    together connect their streams on the cores the server uses. ``on_start`` (in one process, no barrier): called
+    as the timed part begins."""
     conns = [Connection(cfg.url) for _ in users]
 
     async def warm(conn: Connection) -> None:
@@ -113,6 +117,8 @@ async def _users(cfg: ServeBenchConfig, users: range, barrier=None) -> tuple[lis
     await asyncio.gather(*(warm(conn) for conn in conns), return_exceptions=True)
     if barrier is not None:
         await asyncio.to_thread(barrier.wait)
+    elif on_start is not None:
+        on_start()
     start, cpu = time.perf_counter(), time.process_time()
 
     async def user(u: int, conn: Connection) -> list[dict]:
@@ -133,22 +139,24 @@ def _client_process(cfg: ServeBenchConfig, users: range, barrier, out) -> None:
     out.put((results, time.process_time() - cpu))
 
 
-def _level(cfg: ServeBenchConfig, n: int) -> dict:
-    """One level: ``n`` concurrent clients, in one process (this one) or split over several."""
+def _level(cfg: ServeBenchConfig, n: int, on_start=None) -> dict:
+    """One level: ``n`` concurrent clients, in one process (this one) or split over several; ``on_start`` is
+    called once every client is ready, as they start sending."""
     procs = -(-n // cfg.streams_per_process)
     if procs == 1:
-        results, start, cpu = asyncio.run(_users(cfg, range(n)))
+        results, start, cpu = asyncio.run(_users(cfg, range(n), on_start=on_start))
         return _summary(n, results, time.perf_counter() - start, [time.process_time() - cpu], cfg.trace)
     bounds = [n * i // procs for i in range(procs + 1)]
     parts, wall = run_client_processes(_client_process, [(cfg, range(bounds[i], bounds[i + 1])) for i in range(procs)],
-                                       cfg.timeout_s * cfg.requests_per_stream + 60)
+                                       cfg.timeout_s * cfg.requests_per_stream + 60, on_start)
     return _summary(n, [r for results, _ in parts for r in results], wall, [cpu for _, cpu in parts], cfg.trace)
 
 
-def run_client_processes(target, args: list[tuple], timeout_s: float) -> tuple[list, float]:
+def run_client_processes(target, args: list[tuple], timeout_s: float, on_start=None) -> tuple[list, float]:
     """``target(*args[i], barrier, out)`` in one spawned process per ``args`` item, all released together once
-    every one is ready (imported, connected); each puts one result on ``out``. Returns the results and the wall
-    time from the release; a process that dies, or results later than ``timeout_s``, fail the run."""
+    every one is ready (imported, connected; ``on_start`` is called then, before the release); each puts one
+    result on ``out``. Returns the results and the wall time from the release; a process that dies, or results
+    later than ``timeout_s``, fail the run."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (and torch)
@@ -159,9 +167,15 @@ def run_client_processes(target, args: list[tuple], timeout_s: float) -> tuple[l
             w.start()
     try:
         try:
-            barrier.wait(timeout=120)  # every process imported and ready: the run starts now
+            ready_by = time.monotonic() + START_TIMEOUT_S
+            while barrier.n_waiting < len(args) and time.monotonic() < ready_by:
+                time.sleep(0.005)
+            if on_start is not None and barrier.n_waiting == len(args):
+                on_start()
+            barrier.wait(timeout=max(ready_by - time.monotonic(), 0.1))  # every one ready: the run starts now
         except threading.BrokenBarrierError:
-            raise RuntimeError(f"the {len(args)} bench client processes did not all start within 120 s") from None
+            raise RuntimeError(f"the {len(args)} bench client processes did not all start within "
+                               f"{START_TIMEOUT_S:g} s") from None
         start = time.perf_counter()
         parts = gather_parts(out, workers, timeout_s)
         return parts, time.perf_counter() - start
@@ -274,9 +288,9 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
 
 def _measured_level(cfg: ServeBenchConfig, n: int) -> dict:
     """A level with what the server showed of it (``Readings.fields``: the engine thread's time by part, its
-    steps and windows, this machine's GPUs for a server here)."""
+    steps and windows, this machine's GPUs for a server here), from its clients' start on."""
     with Readings(cfg.url) as server:
-        row = _level(cfg, n)
+        row = _level(cfg, n, server.start)
     return dict(row, **server.fields())
 
 

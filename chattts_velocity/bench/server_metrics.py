@@ -150,7 +150,9 @@ def format_engine(row: dict) -> str:
 class Readings:
     """The server around the block it wraps: its ``/metrics`` page before and after (``before``, ``after``; None
     where it cannot be read) and ``GpuBusy`` through it; ``fields()`` is a row's ``engine_thread``,
-    ``engine_steps`` and ``gpu_busy``."""
+    ``engine_steps`` and ``gpu_busy``. ``start``, called by the block when its clients are ready and about to
+    send, takes the page and starts the GPU's samples again from there, so that the readings leave out the
+    clients' own start (a server idle meanwhile)."""
 
     def __init__(self, url: str):
         self.url, self.before, self.after = url, None, None
@@ -160,6 +162,12 @@ class Readings:
         self.before = metrics_page(self.url)
         self._gpu.__enter__()
         return self
+
+    def start(self) -> None:
+        """The timed part begins now: the page before it, and the GPU's samples, from here."""
+        self._gpu.__exit__(None, None, None)
+        self._gpu = GpuBusy(self.url, self._gpu.period_ms).__enter__()
+        self.before = metrics_page(self.url)
 
     def __exit__(self, *exc) -> None:
         self._gpu.__exit__(*exc)

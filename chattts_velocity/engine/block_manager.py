@@ -10,8 +10,9 @@ again, so a later request (or a preempted one coming back) can reuse them.
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import OrderedDict
+
+import numpy as np
 
 from .sequence import Sequence
 
@@ -26,9 +27,10 @@ class Block:
 
 
 def block_key(parent: bytes, tokens, is_text, speaker_key: bytes) -> bytes:
-    """Content key of one full block: chained on ``parent`` (b"" for the first block, which adds the speaker)."""
+    """Content key of one full block: chained on ``parent`` (b"" for the first block, which adds the speaker);
+    ``tokens`` [block_size, num_vq] ids (an array, or ``Token``s)."""
     h = hashlib.blake2b(parent or speaker_key, digest_size=16)
-    h.update(array("q", [i for tok in tokens for i in tok]).tobytes())
+    h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
     h.update(bytes(is_text))
     return h.digest()
 
@@ -76,7 +78,8 @@ class BlockSpaceManager:
             j = len(seq.block_hashes)
             span = slice(j * self.block_size, (j + 1) * self.block_size)
             parent = seq.block_hashes[-1] if j else b""
-            seq.block_hashes.append(block_key(parent, seq.tokens[span], seq.is_text[span], seq.speaker_key))
+            rows = seq.tokens.rows(span.start, span.stop)
+            seq.block_hashes.append(block_key(parent, rows, seq.is_text[span], seq.speaker_key))
         return seq.block_hashes[i]
 
     def cache_full_blocks(self, seq: Sequence) -> None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..device import wait_for
@@ -294,10 +295,11 @@ class LLMEngine:
         self._time_steps(window)
         self._fit_window(window, ready_at - window.launched_at - waited)
         sampled = []
-        for seq, seq_tokens, seq_hidden in zip(window.seqs, tokens, window.hidden.unbind(1), strict=True):
+        ends = self._eos_rows(window.seqs, tokens)
+        for seq, seq_tokens, seq_hidden, end in zip(window.seqs, tokens, window.hidden.unbind(1), ends, strict=True):
             if not seq.is_finished:  # not aborted while its window ran
                 sampled.append(seq)
-                self._accept(seq, seq_tokens, seq_hidden)
+                self._accept(seq, seq_tokens, seq_hidden, end)
                 if window.decode:  # a sequence's usual step: it is no longer a suspect
                     self.scheduler.clear(seq)
         return sampled
@@ -407,11 +409,24 @@ class LLMEngine:
         queued.launched_at = now
         return queued
 
-    def _accept(self, seq: Sequence, tokens: list[tuple[int, ...]], hidden: torch.Tensor) -> None:
-        """Hand sampled tokens to the scheduler (which owns the sequence's state: ``Scheduler.accept``); keep the
-        hidden states of those it took."""
+    def _eos_rows(self, seqs: list[Sequence], tokens: np.ndarray) -> list[int]:
+        """Each sequence's first row of ``tokens`` [num_seqs, num_steps, num_vq] holding its EOS (text or audio,
+        by its mode), ``num_steps`` where none does: for the whole window at once rather than per sequence."""
+        num_steps = tokens.shape[1]
+        text = [seq.text_mode for seq in seqs]
+        hits = np.zeros(tokens.shape[:2], dtype=bool)
+        for mode, eos in ((True, self.text_eos_id), (False, self.model_config.eos_code)):
+            if mode in text:
+                rows = np.array(text) == mode
+                hits[rows] = (tokens[rows] == eos).any(axis=2)
+        return np.where(hits.any(axis=1), hits.argmax(axis=1), num_steps).tolist()
+
+    def _accept(self, seq: Sequence, tokens: np.ndarray, hidden: torch.Tensor, end: int | None = None) -> None:
+        """Hand sampled tokens [num_steps, num_vq] to the scheduler (which owns the sequence's state:
+        ``Scheduler.accept``; ``end``: the row of their EOS, if found already); keep the hidden states of those
+        it took."""
         eos = self.text_eos_id if seq.text_mode else self.model_config.eos_code
-        taken = self.scheduler.accept(seq, tokens, eos)
+        taken = self.scheduler.accept(seq, tokens, eos, end)
         self._totals["num_generated_tokens"] += taken
         if taken and seq.params.return_hidden_states:
             seq.hidden_chunks.append(hidden if taken == hidden.shape[0] else hidden[:taken])

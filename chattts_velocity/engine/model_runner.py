@@ -223,12 +223,11 @@ class ModelRunner:
         if step.done is not None:
             wait_for(step.done)
 
-    def collect(self, step: LaunchedStep) -> list[list[tuple[int, ...]]]:
-        """Wait for ``step``; tokens[i][j] of sequence i at step j (hidden states: ``step.hidden``)."""
+    def collect(self, step: LaunchedStep) -> np.ndarray:
+        """Wait for ``step``; its tokens [num_seqs, num_steps, num_vq], tokens[i] the rows of sequence i (a view
+        of the step's host buffer, read before that buffer's next use; hidden states: ``step.hidden``)."""
         self.wait(step)
-        # each sequence's codebook columns zipped into its tokens: zip builds the tuples in C, several times
-        # faster than a tuple() per token
-        return [list(zip(*columns, strict=True)) for columns in step.tokens.numpy().transpose(1, 2, 0).tolist()]
+        return step.tokens.numpy().transpose(1, 0, 2)
 
     def _prepare(self, scheduled: list[ScheduledSeq]):
         """The step's flat inputs on the device: ids [N, num_vq], attention metadata, the rows of each sampling
@@ -239,19 +238,22 @@ class ModelRunner:
         bs, spk = self.block_size, self.spk_emb_id
         ids, positions, slots, cu, ctx, last_rows = [], [], [], [0], [], []
         text_rows, code_rows, spk_rows, speakers = [], [], [], []
+        row = 0
         for item in scheduled:
             seq, start = item.seq, item.start
             end = start + item.num_new_tokens
-            row, tokens = len(ids), seq.tokens[start:end]
-            ids += tokens
+            tokens = seq.tokens.rows(start, end)
+            ids.append(tokens)
+            firsts = tokens[:, 0].tolist()
             for j, text in enumerate(seq.is_text[start:end]):
                 if not text:
                     code_rows.append(row + j)
                     continue
                 text_rows.append(row + j)
-                if seq.speaker is not None and tokens[j][0] == spk:
+                if seq.speaker is not None and firsts[j] == spk:
                     spk_rows.append(row + j)
                     speakers.append(seq.speaker)
+            row += end - start
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -261,8 +263,9 @@ class ModelRunner:
                 last_rows.append(cu[-1] - 1)
         width = max(len(s.seq.block_table) for s in scheduled)
         tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in scheduled]
-        n, q = len(ids), len(ids[0])
-        wide = self._to_device(np.concatenate([np.array(ids, dtype=np.int64).reshape(-1), np.array(
+        ids = np.concatenate(ids)
+        n, q = ids.shape
+        wide = self._to_device(np.concatenate([ids.reshape(-1), np.array(
             positions + slots + last_rows + text_rows + code_rows + spk_rows, dtype=np.int64)]))
         narrow = self._to_device(np.array(cu + ctx + [t for row in tables for t in row], dtype=np.int32))
         ids_t, wide = wide[: n * q].view(n, q), wide[n * q :]

@@ -60,7 +60,7 @@ def row_params(seqs: list[Sequence], lanes: int, num_vq: int, width: int) -> Row
     for i, s in enumerate(seqs):
         start = max(s.prompt_len, len(s) - s.params.penalty_window)
         if start < len(s):
-            recent = np.array(s.tokens[start:], dtype=np.int64)[:, :lanes]  # [w, lanes]
+            recent = s.tokens.rows(start)[:, :lanes]  # [w, lanes]
             hist[i, :, width - len(recent) :] = recent.T
     return RowParams(
         temperature=torch.from_numpy(temps),

@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .block_manager import BlockSpaceManager
 from .sequence import FinishReason, Sequence, SequenceStatus
 
@@ -350,11 +352,15 @@ class Scheduler:
             item.seq.num_computed_tokens += item.num_new_tokens - item.samples
             self.block_manager.cache_full_blocks(item.seq)
 
-    def accept(self, seq: Sequence, tokens: list[tuple[int, ...]], eos: int) -> int:
-        """Append ``seq``'s sampled tokens (one per step it ran) until ``eos`` (in any codebook: a text token
-        repeats its id over them) or its length limit, and finish it there; every step counted computed its
-        input token, the EOS step's included. Returns how many tokens were appended."""
-        ends = next((i for i, token in enumerate(tokens) if eos in token), len(tokens))
+    def accept(self, seq: Sequence, tokens, eos: int, ends: int | None = None) -> int:
+        """Append ``seq``'s sampled tokens, [k, num_vq] ids (or ``Token``s) one row per step it ran, until
+        ``eos`` (in any codebook: a text token repeats its id over them) or its length limit, and finish it
+        there; every step counted computed its input token, the EOS step's included. ``ends``: the first row
+        holding ``eos`` (k: none), where the caller found it already. Returns how many tokens were appended."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if ends is None:
+            hits = np.flatnonzero((tokens == eos).any(axis=1)) if tokens.size else ()
+            ends = int(hits[0]) if len(hits) else len(tokens)
         room = seq.max_tokens - len(seq)
         hit_eos = ends < min(len(tokens), room)  # an EOS past the length limit is never seen
         taken = ends if hit_eos else min(len(tokens), room)

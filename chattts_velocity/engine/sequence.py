@@ -4,7 +4,6 @@ n > 1), with ``Prompt`` (a request's input) and ``RequestOutput`` (what a step r
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,15 +48,73 @@ Token = tuple[int, ...]
 """One position: ``num_vq`` ids (a text token repeats its id)."""
 
 
+class TokenBuffer:
+    """A sequence's tokens, one row of ``width`` ids a position, in one growable int64 array: a decode window's
+    rows are appended at once (``extend``) and read back in bulk as array views (``rows``), so the engine's
+    thread does no Python work per token of a window; an index, a slice or iteration reads ``Token`` tuples.
+    Rows once written do not change (``rows``' views stay valid while the buffer grows)."""
+
+    __slots__ = ("_buf", "_n")
+
+    def __init__(self, rows):
+        buf = np.array(rows, dtype=np.int64)  # (a copy: the caller's rows stay theirs)
+        if buf.ndim != 2 or buf.shape[0] == 0:
+            raise ValueError(f"tokens must be a non-empty [T, width] grid of ids, got shape {buf.shape}")
+        self._buf, self._n = buf, buf.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self._buf.shape[1]
+
+    def __len__(self) -> int:
+        return self._n
+
+    def rows(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Positions [start, stop) as a read-only view [n, width] (slice bounds as for a list)."""
+        view = self._buf[: self._n][start:stop]
+        view.flags.writeable = False
+        return view
+
+    def extend(self, rows) -> None:
+        """Append [k, width] rows (an array, or ``Token``s)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size == 0:
+            return
+        if rows.ndim != 2 or rows.shape[1] != self.width:
+            raise ValueError(f"rows must be [k, {self.width}], got {rows.shape}")
+        n, k = self._n, rows.shape[0]
+        if n + k > self._buf.shape[0]:  # room for many more windows: amortized, like a list
+            grown = np.empty((max(2 * self._buf.shape[0], n + k, 64), self.width), dtype=np.int64)
+            grown[:n] = self._buf[:n]
+            self._buf = grown
+        self._buf[n : n + k] = rows
+        self._n = n + k
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return list(map(tuple, self._buf[: self._n][key].tolist()))
+        return tuple(self._buf[: self._n][key].tolist())
+
+    def __setitem__(self, index: int, token: Token) -> None:
+        self._buf[: self._n][index] = token
+
+    def __iter__(self):
+        return iter(self[:])
+
+    def __repr__(self) -> str:
+        return f"TokenBuffer({self[:]!r})"
+
+
 class Sequence:
     """Tokens (prompt + generated), KV bookkeeping and outputs of one request."""
 
-    def __init__(self, seq_id: int, request_id: str, tokens: list[Token], is_text: list[bool],
+    def __init__(self, seq_id: int, request_id: str, tokens, is_text: list[bool],
                  speaker: torch.Tensor | None, speaker_key: bytes, params: SamplingParams, seed: int,
                  max_tokens: int):
         self.seq_id = seq_id
         self.request_id = request_id
-        self.tokens = tokens
+        self.tokens = tokens if isinstance(tokens, TokenBuffer) else TokenBuffer(tokens)
+        """Prompt and generated tokens (``TokenBuffer``; built from [T, num_vq] ids or ``Token``s)."""
         self.is_text = is_text
         self.prompt_len = len(tokens)
         self.speaker = speaker
@@ -100,10 +157,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def extend(self, tokens: list[Token]) -> None:
-        """Add several generated tokens (their hidden states are kept by the caller)."""
+    def extend(self, tokens) -> None:
+        """Add several generated tokens, [k, num_vq] ids or ``Token``s (their hidden states are kept by the
+        caller)."""
         self.tokens.extend(tokens)
-        self.is_text.extend([self.text_mode] * len(tokens))
+        self.is_text.extend([self.text_mode] * (len(self.tokens) - len(self.is_text)))
 
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
@@ -111,11 +169,7 @@ class Sequence:
 
     def output_ids(self, start: int = 0) -> torch.Tensor:
         """Generated ids from ``start``: [n, num_vq] (code mode) or [n] (text mode), int64."""
-        gen, width = self.tokens[self.prompt_len + start :], len(self.tokens[0])
-        # through numpy: torch.tensor on a list of tuples costs several times more, once per request per window
-        # (and np.fromiter less than np.array)
-        flat = np.fromiter(itertools.chain.from_iterable(gen), dtype=np.int64, count=len(gen) * width)
-        ids = torch.from_numpy(flat.reshape(len(gen), width))
+        ids = torch.from_numpy(self.tokens.rows(self.prompt_len + start).copy())
         return ids[:, 0] if self.text_mode else ids
 
     def output_hidden(self, hidden_size: int, start: int = 0) -> torch.Tensor | None:

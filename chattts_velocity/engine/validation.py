@@ -12,10 +12,10 @@ from .sequence import Prompt
 
 
 def validate_request(cfg, kv_capacity: int, prompt: Prompt, params: SamplingParams
-                     ) -> tuple[list[tuple[int, ...]], list[bool]]:
+                     ) -> tuple[np.ndarray, list[bool]]:
     """Raise ``ValueError`` saying what to fix if the request can never be served by an engine over a model of
     config ``cfg`` with ``kv_capacity`` tokens of KV cache; else its tokens (a pure check: a server's front
-    runs it without the engine)."""
+    runs it without the engine; ``check_prompt``'s)."""
     params.validate(cfg.num_vq, cfg.num_text_tokens if params.mode is Mode.TEXT else cfg.num_audio_tokens)
     tokens, is_text = check_prompt(cfg, prompt)
     context = cfg.max_position_embeddings
@@ -29,9 +29,10 @@ def validate_request(cfg, kv_capacity: int, prompt: Prompt, params: SamplingPara
     return tokens, is_text
 
 
-def check_prompt(cfg, prompt: Prompt) -> tuple[list[tuple[int, ...]], list[bool]]:
+def check_prompt(cfg, prompt: Prompt) -> tuple[np.ndarray, list[bool]]:
     """Raise ``ValueError`` saying what to fix if ``prompt`` does not fit a model of config ``cfg``; else its
-    tokens (one tuple of ``num_vq`` ids a position) and which positions are text."""
+    tokens ([T, num_vq] int64 ids, maybe a view of ``prompt.ids``: ``Sequence`` copies them) and which
+    positions are text."""
     ids, mask = prompt.ids, prompt.text_mask
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.size(1) != cfg.num_vq or ids.is_floating_point():
         raise ValueError(f"prompt.ids must be an integer tensor [T, num_vq={cfg.num_vq}], got "
@@ -50,12 +51,12 @@ def check_prompt(cfg, prompt: Prompt) -> tuple[list[tuple[int, ...]], list[bool]
                               ("audio", host_ids[~host_mask], cfg.num_audio_tokens)):
         if part.size and (part.min() < 0 or part.max() >= limit):
             raise ValueError(f"prompt has {name} ids outside [0, {limit})")
-    rows, is_text = host_ids.tolist(), host_mask.tolist()
+    is_text = host_mask.tolist()
     spk = prompt.speaker
     if spk is not None and (not isinstance(spk, torch.Tensor) or spk.shape != (cfg.hidden_size,)
                             or not spk.is_floating_point() or not _finite(spk)):
         raise ValueError(f"prompt.speaker must be None or a finite float tensor [{cfg.hidden_size}]")
-    return [tuple(t) for t in rows], is_text
+    return host_ids.astype(np.int64, copy=False), is_text
 
 
 # A request's preparation runs on a server's worker threads; every torch op there lets go of the GIL and must
