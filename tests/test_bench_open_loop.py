@@ -409,8 +409,8 @@ def test_readings_start_where_the_clients_start(monkeypatch):
     from: the engine thread's idle time while the clients started is not in a level's shares."""
     from chattts_velocity.bench import server_metrics
 
-    pages = iter(["chattts_engine_thread_seconds_total{part=\"idle\"} %s\n"
-                  "chattts_engine_thread_seconds_total{part=\"step\"} %s\n" % v for v in ((0, 0), (5, 0), (6, 3))])
+    pages = iter([f'chattts_engine_thread_seconds_total{{part="idle"}} {idle}\n'
+                  f'chattts_engine_thread_seconds_total{{part="step"}} {step}\n' for idle, step in ((0, 0), (5, 0), (6, 3))])
     monkeypatch.setattr(server_metrics, "metrics_page", lambda url: next(pages))
     with server_metrics.Readings("http://10.0.0.7:8000") as server:
         server.start()  # 5 s idle before it: the clients' start
