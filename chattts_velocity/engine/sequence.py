@@ -71,8 +71,9 @@ class TokenBuffer:
 
     def rows(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Positions [start, stop) as a read-only view [n, width] (slice bounds as for a list)."""
-        view = self._buf[: self._n][start:stop]
-        view.flags.writeable = False
+        lo, hi, _ = slice(start, stop).indices(self._n)
+        view = self._buf[lo:max(lo, hi)]
+        view.setflags(write=False)
         return view
 
     def extend(self, rows) -> None:
