@@ -387,6 +387,60 @@ def test_a_pump_thread_runs_the_rounds_so_wake_returns_at_once(chat, monkeypatch
     assert pump._worker is not None and pump._worker is not worker
 
 
+def test_a_hung_audio_round_fails_the_health_check_and_a_dead_pump_thread_is_replaced(chat):
+    """A wake's rounds running longer than the stall limit (a decode that hangs on the pump's thread, where the
+    engine's own check sees nothing) fail ``AudioPump.check_health`` and the server's health; once they end it
+    passes. A pump thread found dead at a wake is replaced, and the rounds go on."""
+    import threading
+    import time
+
+    from chattts_velocity.audio import AudioPump
+    from chattts_velocity.engine import RequestStream
+    from chattts_velocity.serving.local import LocalClient
+
+    pump, engine = AudioPump(chat.audio, thread=True), _Engine()
+    gate, entered, _ = _hold_decodes(pump)
+    config = StreamConfig(first_chunk=8, lookahead=8)
+    tokens = _tokens(chat, 40, True, seed=7)
+    stream = RequestStream(engine, ["r"])
+    feed = pump.open(stream, config, use_decoder=True)
+    stream.deliver(_out("r", tokens, True, 40), 0.0)
+    pump.check_health(0.0)  # no round yet
+    pump.wake()
+    assert entered.wait(10)
+    time.sleep(0.1)
+    with pytest.raises(RuntimeError, match="audio decode round has run for over 0.05 s"):
+        pump.check_health(0.05)
+    pump.check_health(60.0)
+    gate.set()
+    got = np.concatenate([x for d in feed for x in d.samples.get("r", [])])
+    assert got.shape == _at_once(chat, tokens, config).shape
+    deadline = time.monotonic() + 10
+    while pump._round_since is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pump.check_health(0.0)
+
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    pump._worker = dead  # as if the pump's thread had died
+    again = RequestStream(engine, ["s"])
+    feed = pump.open(again, config, use_decoder=True)
+    again.deliver(_out("s", tokens, True, 40), 0.0)
+    pump.wake()
+    assert np.concatenate([x for d in feed for x in d.samples.get("s", [])]).shape == got.shape
+    assert pump._worker is not dead
+
+    client = LocalClient(chat)  # the server's health: the engine's, then its pump's
+    real = chat.pipeline.pump._round_since
+    try:
+        chat.pipeline.pump._round_since = time.monotonic() - 3600
+        assert "audio decode round" in (client.health() or "")
+    finally:
+        chat.pipeline.pump._round_since = real
+    assert client.health() is None
+
+
 def test_a_pump_thread_stops_at_exit_after_serving_the_wake_it_has(chat):
     """``stop_thread`` (what the pump module runs at exit for every pump whose thread started): a wake that
     came during the thread's round is still served, then the thread ends, and later wakes run their rounds on

@@ -230,6 +230,7 @@ class AudioPump:
         self._marked: dict[int, None] = {}  # ids of streams with news, in order
         self._deferred: dict[int, None] = {}  # ids of streams with windows put off: marked at the next wake
         self._last_decode = float("-inf")
+        self._round_since: float | None = None  # when the rounds of the wake in progress began (``clock``)
         self.num_calls = 0
         """Decode calls so far (one per decoder kind for each group of a round's windows)."""
 
@@ -283,11 +284,18 @@ class AudioPump:
         with self._signal:
             self._woken = True
             self._woken_hurry = hurry
-            if self._worker is None:
+            if self._worker is None or not self._worker.is_alive():  # (one that died is replaced)
                 self._worker = threading.Thread(target=self._work, name="chattts-velocity-audio", daemon=True)
                 self._worker.start()
                 _THREADED.add(self)
             self._signal.notify()
+
+    def check_health(self, stall_s: float) -> None:
+        """Raise ``RuntimeError`` if a wake's rounds have run for over ``stall_s`` seconds (a decode that hangs,
+        on the pump's thread, where the engine's own check does not see it). Cheap enough for a health probe."""
+        since = self._round_since
+        if since is not None and self.clock() - since > stall_s:
+            raise RuntimeError(f"an audio decode round has run for over {stall_s:g} s")
 
     def stop_thread(self, timeout: float | None = None) -> None:
         """From now on run the rounds on the waking thread (``thread`` off); the pump's thread, if it runs,
@@ -307,7 +315,8 @@ class AudioPump:
                 with self._signal:
                     self._signal.wait_for(lambda: self._woken or not self.thread, WORKER_IDLE_S)
                     if not self._woken:  # idle, or ``stop_thread`` (a wake before it is served first)
-                        self._worker = None
+                        if self._worker is threading.current_thread():  # (not a later one that replaced it)
+                            self._worker = None
                         return
                     self._woken = False
                     hurry = self._woken_hurry
@@ -315,27 +324,35 @@ class AudioPump:
 
     def _wake(self, hurry: bool) -> None:
         with self._rounds:
-            self.pace.woke(self.clock())
+            self._round_since = self.clock()
+            try:
+                self._rounds_of_wake(hurry)
+            finally:
+                self._round_since = None
+
+    def _rounds_of_wake(self, hurry: bool) -> None:
+        """A wake's rounds, until no marked stream is left or a round puts off what it has."""
+        self.pace.woke(self.clock())
+        with self._lock:
+            self._marked.update(self._deferred)
+            self._deferred = {}
+        while True:
             with self._lock:
-                self._marked.update(self._deferred)
-                self._deferred = {}
-            while True:
-                with self._lock:
-                    feeds = [self._feeds[key] for key in self._marked if key in self._feeds]
-                    self._marked = {}
-                if not feeds:
-                    break
-                try:
-                    with self.audio.stream():
-                        if not self._round(feeds, hurry):
-                            break  # put off until the wake after the next step
-                except Exception as err:  # noqa: BLE001 - a bug here must reach the callers, not the engine
-                    logger.exception("audio round failed")
-                    for feed in feeds:
-                        self._fail(feed, err)
-            with self._lock:
-                busy = bool(self._feeds)
-            self.pace.rested(self.clock() if busy else None)
+                feeds = [self._feeds[key] for key in self._marked if key in self._feeds]
+                self._marked = {}
+            if not feeds:
+                break
+            try:
+                with self.audio.stream():
+                    if not self._round(feeds, hurry):
+                        break  # put off until the wake after the next step
+            except Exception as err:  # noqa: BLE001 - a bug here must reach the callers, not the engine
+                logger.exception("audio round failed")
+                for feed in feeds:
+                    self._fail(feed, err)
+        with self._lock:
+            busy = bool(self._feeds)
+        self.pace.rested(self.clock() if busy else None)
 
     # ---------------------------------------------------------------- rounds
     def _forget(self, feed: Feed) -> None:

@@ -56,8 +56,11 @@ class LocalClient(EngineClient):
         return self.chat.engine.stats().engine
 
     def health(self) -> str | None:
+        """None while the engine and the audio rounds run (``check_health`` of both: the rounds may have a thread
+        of their own), else why not."""
         try:
             self.chat.engine.check_health(self.stall_s)
+            self.chat.pipeline.pump.check_health(self.stall_s)
         except RuntimeError as e:
             return str(e)
         return None
