@@ -406,12 +406,16 @@ def test_gpu_busy_samples_nvidia_smi_for_a_server_on_this_machine(tmp_path, monk
 
 def test_readings_start_where_the_clients_start(monkeypatch):
     """``Readings.start`` (what a level calls once its clients are ready) takes the page the readings count
-    from: the engine thread's idle time while the clients started is not in a level's shares."""
+    from: the engine thread's idle time while the clients started is not in a level's shares; a block that
+    never started reads nothing."""
     from chattts_velocity.bench import server_metrics
 
     pages = iter([f'chattts_engine_thread_seconds_total{{part="idle"}} {idle}\n'
-                  f'chattts_engine_thread_seconds_total{{part="step"}} {step}\n' for idle, step in ((0, 0), (5, 0), (6, 3))])
+                  f'chattts_engine_thread_seconds_total{{part="step"}} {step}\n' for idle, step in ((5, 0), (6, 3))])
     monkeypatch.setattr(server_metrics, "metrics_page", lambda url: next(pages))
     with server_metrics.Readings("http://10.0.0.7:8000") as server:
-        server.start()  # 5 s idle before it: the clients' start
+        pass  # the clients start: nothing is read
+    assert server.fields() == {"engine_thread": None, "engine_steps": None, "gpu_busy": None}
+    with server_metrics.Readings("http://10.0.0.7:8000") as server:
+        server.start()  # the engine thread idled 5 s before it
     assert server.fields()["engine_thread"] == pytest.approx({"idle": 0.25, "step": 0.75})

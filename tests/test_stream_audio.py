@@ -343,22 +343,30 @@ def test_a_feed_that_wants_only_audio_is_not_woken_for_outputs_without_it(chat, 
     assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
 
 
+def _held_thread_pump(chat, n: int, seed: int):
+    """A pump with a thread of its own whose decodes wait for a gate, and one open request "r" of ``n`` tokens:
+    -> (pump, its engine stand-in, gate, entered, decoding threads' names, config, tokens, stream, feed)."""
+    from chattts_velocity.audio import AudioPump
+    from chattts_velocity.engine import RequestStream
+
+    pump, engine = AudioPump(chat.audio, thread=True), _Engine()
+    gate, entered, threads = _hold_decodes(pump)
+    config = StreamConfig(first_chunk=8, lookahead=8)
+    tokens = _tokens(chat, n, True, seed=seed)
+    stream = RequestStream(engine, ["r"])
+    return pump, engine, gate, entered, threads, config, tokens, stream, pump.open(stream, config, use_decoder=True)
+
+
 def test_a_pump_thread_runs_the_rounds_so_wake_returns_at_once(chat, monkeypatch):
     """``AudioPump(thread=True)``: ``wake`` only signals the pump's thread, which runs the round (a wake during
     a round is served right after it, with every output since); the thread ends once idle, and the next wake
     starts another. A failing decode reaches the reader there too."""
 
-    from chattts_velocity.audio import AudioPump
     from chattts_velocity.audio import pump as pump_module
     from chattts_velocity.engine import RequestStream
 
     monkeypatch.setattr(pump_module, "WORKER_IDLE_S", 0.2)
-    pump, engine = AudioPump(chat.audio, thread=True), _Engine()
-    gate, entered, threads = _hold_decodes(pump)
-    config = StreamConfig(first_chunk=8, lookahead=8)
-    tokens = _tokens(chat, 60, True, seed=5)
-    stream = RequestStream(engine, ["r"])
-    feed = pump.open(stream, config, use_decoder=True)
+    pump, engine, gate, entered, threads, config, tokens, stream, feed = _held_thread_pump(chat, 60, 5)
     stream.deliver(_out("r", tokens[:20], False, 20), 0.0)
     pump.wake()  # returns while the round waits in its decode
     assert entered.wait(10)
@@ -394,16 +402,10 @@ def test_a_hung_audio_round_fails_the_health_check_and_a_dead_pump_thread_is_rep
     import threading
     import time
 
-    from chattts_velocity.audio import AudioPump
     from chattts_velocity.engine import RequestStream
     from chattts_velocity.serving.local import LocalClient
 
-    pump, engine = AudioPump(chat.audio, thread=True), _Engine()
-    gate, entered, _ = _hold_decodes(pump)
-    config = StreamConfig(first_chunk=8, lookahead=8)
-    tokens = _tokens(chat, 40, True, seed=7)
-    stream = RequestStream(engine, ["r"])
-    feed = pump.open(stream, config, use_decoder=True)
+    pump, engine, gate, entered, _, config, tokens, stream, feed = _held_thread_pump(chat, 40, 7)
     stream.deliver(_out("r", tokens, True, 40), 0.0)
     pump.check_health(0.0)  # no round yet
     pump.wake()
@@ -447,16 +449,9 @@ def test_a_pump_thread_stops_at_exit_after_serving_the_wake_it_has(chat):
     the waking thread."""
     import threading
 
-    from chattts_velocity.audio import AudioPump
     from chattts_velocity.audio import pump as pump_module
-    from chattts_velocity.engine import RequestStream
 
-    pump, engine = AudioPump(chat.audio, thread=True), _Engine()
-    gate, entered, threads = _hold_decodes(pump)
-    config = StreamConfig(first_chunk=8, lookahead=8)
-    tokens = _tokens(chat, 90, True, seed=6)
-    stream = RequestStream(engine, ["r"])
-    feed = pump.open(stream, config, use_decoder=True)
+    pump, engine, gate, entered, threads, config, tokens, stream, feed = _held_thread_pump(chat, 90, 6)
     stream.deliver(_out("r", tokens[:20], False, 20), 0.0)
     pump.wake()
     assert entered.wait(10)

@@ -148,33 +148,32 @@ def format_engine(row: dict) -> str:
 
 
 class Readings:
-    """The server around the block it wraps: its ``/metrics`` page before and after (``before``, ``after``; None
-    where it cannot be read) and ``GpuBusy`` through it; ``fields()`` is a row's ``engine_thread``,
-    ``engine_steps`` and ``gpu_busy``. ``start``, called by the block when its clients are ready and about to
-    send, takes the page and starts the GPU's samples again from there, so that the readings leave out the
-    clients' own start (a server idle meanwhile)."""
+    """The server over the block it wraps, from ``start`` (which the block calls once its clients are ready and
+    about to send: the clients' own start, when the server idles, is left out) to the block's end: its
+    ``/metrics`` page then and at the end (``before``, ``after``; None where it cannot be read, or without a
+    ``start``) and ``GpuBusy`` between; ``fields()`` is a row's ``engine_thread``, ``engine_steps`` and
+    ``gpu_busy``."""
 
     def __init__(self, url: str):
         self.url, self.before, self.after = url, None, None
-        self._gpu = GpuBusy(url)
+        self._gpu: GpuBusy | None = None
 
     def __enter__(self) -> Readings:
-        self.before = metrics_page(self.url)
-        self._gpu.__enter__()
         return self
 
     def start(self) -> None:
-        """The timed part begins now: the page before it, and the GPU's samples, from here."""
-        self._gpu.__exit__(None, None, None)
-        self._gpu = GpuBusy(self.url, self._gpu.period_ms).__enter__()
+        """The timed part begins now: the page before it, and the GPU's samples from here."""
         self.before = metrics_page(self.url)
+        self._gpu = GpuBusy(self.url).__enter__()
 
     def __exit__(self, *exc) -> None:
+        if self._gpu is None:
+            return
         self._gpu.__exit__(*exc)
         self.after = metrics_page(self.url)
 
     def fields(self) -> dict:
         return {"engine_thread": thread_shares(thread_seconds(self.before), thread_seconds(self.after)),
                 "engine_steps": windows_between(engine_counts(self.before), engine_counts(self.after)),
-                "gpu_busy": self._gpu.mean}
+                "gpu_busy": None if self._gpu is None else self._gpu.mean}
 

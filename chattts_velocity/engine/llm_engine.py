@@ -25,7 +25,7 @@ from .block_manager import BlockSpaceManager
 from .engine_config import EngineConfig
 from .model_runner import LaunchedStep, ModelRunner, OpenWindow
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, first_eos
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence
 from .timings import Timings
 from .validation import check_prompt, float32_host, validate_request
@@ -411,15 +411,9 @@ class LLMEngine:
 
     def _eos_rows(self, seqs: list[Sequence], tokens: np.ndarray) -> list[int]:
         """Each sequence's first row of ``tokens`` [num_seqs, num_steps, num_vq] holding its EOS (text or audio,
-        by its mode), ``num_steps`` where none does: for the whole window at once rather than per sequence."""
-        num_steps = tokens.shape[1]
-        text = [seq.text_mode for seq in seqs]
-        hits = np.zeros(tokens.shape[:2], dtype=bool)
-        for mode, eos in ((True, self.text_eos_id), (False, self.model_config.eos_code)):
-            if mode in text:
-                rows = np.array(text) == mode
-                hits[rows] = (tokens[rows] == eos).any(axis=2)
-        return np.where(hits.any(axis=1), hits.argmax(axis=1), num_steps).tolist()
+        by its mode), ``num_steps`` where none does (``first_eos``): the whole window in one pass."""
+        eos = [self.text_eos_id if seq.text_mode else self.model_config.eos_code for seq in seqs]
+        return first_eos(tokens, eos).tolist()
 
     def _accept(self, seq: Sequence, tokens: np.ndarray, hidden: torch.Tensor, end: int | None = None) -> None:
         """Hand sampled tokens [num_steps, num_vq] to the scheduler (which owns the sequence's state:

@@ -357,10 +357,9 @@ class Scheduler:
         ``eos`` (in any codebook: a text token repeats its id over them) or its length limit, and finish it
         there; every step counted computed its input token, the EOS step's included. ``ends``: the first row
         holding ``eos`` (k: none), where the caller found it already. Returns how many tokens were appended."""
-        tokens = np.asarray(tokens, dtype=np.int64)
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, seq.tokens.width)
         if ends is None:
-            hits = np.flatnonzero((tokens == eos).any(axis=1)) if tokens.size else ()
-            ends = int(hits[0]) if len(hits) else len(tokens)
+            ends = int(first_eos(tokens, eos))
         room = seq.max_tokens - len(seq)
         hit_eos = ends < min(len(tokens), room)  # an EOS past the length limit is never seen
         taken = ends if hit_eos else min(len(tokens), room)
@@ -383,6 +382,14 @@ class Scheduler:
         self.block_manager.free(seq)
         self.suspects.discard(seq.seq_id)
         seq.finish(reason)
+
+
+def first_eos(tokens: np.ndarray, eos) -> np.ndarray:
+    """The first step whose token holds ``eos`` in any codebook, the number of steps where none does: ``tokens``
+    [..., num_steps, num_vq] (a window's sequences at once, or one sequence's rows), ``eos`` an id or one per
+    leading index ([...], each sequence its mode's)."""
+    hits = (tokens == np.asarray(eos)[..., None, None]).any(axis=-1)
+    return np.where(hits.any(axis=-1), hits.argmax(axis=-1), tokens.shape[-2])
 
 
 def _decodes(seq: Sequence) -> bool:

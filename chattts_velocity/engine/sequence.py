@@ -99,12 +99,6 @@ class TokenBuffer:
     def __setitem__(self, index: int, token: Token) -> None:
         self._buf[: self._n][index] = token
 
-    def __iter__(self):
-        return iter(self[:])
-
-    def __repr__(self) -> str:
-        return f"TokenBuffer({self[:]!r})"
-
 
 class Sequence:
     """Tokens (prompt + generated), KV bookkeeping and outputs of one request."""
