@@ -306,13 +306,16 @@ def test_device_waits_are_timed_per_thread():
 
 def test_the_engine_times_first_tokens_and_first_audio(chat, make_async):
     """``stats()`` splits a request's way to first audio: submitted → first token (every request), first token →
-    first audio (a request whose audio was marked, as the audio pump does); a request that ends without audio
-    is forgotten, not timed."""
+    first audio (a request whose audio was marked, as the audio pump does), and of that the audio's part, from
+    its first window's tokens handed over to its first audio; a request that ends without audio is forgotten,
+    not timed."""
     engine = make_async(num_decode_steps=4)
     stream = engine.add_request(code_prompt(chat, "heard"), seeded(0, 200, min_new=200), request_id="a")
     first = next(stream)
     time.sleep(0.01)
-    stream.mark_first_audio("a")  # as the pump does for a streamed request
+    stream.mark_audio_ready("a")  # as the pump does for a streamed request: its first window's tokens came
+    time.sleep(0.01)
+    stream.mark_first_audio("a")  # and its first audio went out
     list(stream)
     list(engine.add_request(code_prompt(chat, "never heard"), seeded(1, 8, min_new=8), request_id="b"))
     assert engine.wait_idle(30) and first.num_generated >= 1
@@ -321,7 +324,10 @@ def test_the_engine_times_first_tokens_and_first_audio(chat, make_async):
     times = stats.requests["a"]
     assert tokens.count == 2 and sum(tokens.counts) == 2 and tokens.total_s > 0
     assert audio.count == 1 and audio.total_s == pytest.approx(times.first_audio - times.first_token)
-    assert audio.total_s >= 0.01 and not engine._young
+    assert audio.total_s >= 0.02 and not engine._young
+    decode = stats.engine.first_decode_wait
+    assert decode.count == 1 and decode.total_s == pytest.approx(times.first_audio - times.audio_ready)
+    assert 0.01 <= decode.total_s < audio.total_s
 
 
 def test_first_audio_that_comes_after_the_request_ended_is_timed(chat, make_async, monkeypatch):

@@ -113,10 +113,12 @@ def test_every_arrival_is_sent_and_counted(report):
         assert 0 <= r["start_delay_p50_ms"] <= r["start_delay_p95_ms"] and 0 <= r["underruns"] <= r["completed"]
         per_request = r["audio_s_per_s"] / r["achieved_rate"]  # every request has the same length of audio
         assert (TOKENS - 2) * 512 / 24000 <= per_request <= TOKENS * 512 / 24000
-        # the server's own means over the rate: its engine's two parts of first audio, and the whole
+        # the server's own means over the rate: its engine's two parts of first audio (the audio's share of the
+        # second), and the whole
         means = r["server_mean_ms"]
-        assert set(means) == {"to_first_token", "to_first_audio", "first_audio"}, means
+        assert set(means) == {"to_first_token", "to_first_audio", "first_decode", "first_audio"}, means
         assert all(0 < v < 1e4 for v in means.values()), means
+        assert means["first_decode"] <= means["to_first_audio"], means
         # and the engine thread's time over the rate, by part, which adds up to the whole
         shares = r["engine_thread"]
         assert set(shares) == {"idle", "step", "step_device_wait", "deliver", "deliver_device_wait"}, shares
@@ -228,12 +230,13 @@ def test_server_means_come_from_the_metrics_before_and_after_a_rate():
     difference across the rate as a mean; None without both scrapes or without a new observation."""
     from chattts_velocity.bench.open_loop import SERVER_MEANS, server_means
 
-    names = list(SERVER_MEANS.values())
-    before = {names[0]: (1.0, 10.0), names[1]: (0.5, 10.0), names[2]: (2.0, 10.0)}
-    after = {names[0]: (1.3, 13.0), names[1]: (0.5, 10.0), names[2]: (2.6, 13.0)}
+    token, audio, whole = SERVER_MEANS["to_first_token"], SERVER_MEANS["to_first_audio"], SERVER_MEANS["first_audio"]
+    before = {token: (1.0, 10.0), audio: (0.5, 10.0), whole: (2.0, 10.0)}
+    after = {token: (1.3, 13.0), audio: (0.5, 10.0), whole: (2.6, 13.0)}
     means = server_means(before, after)
     assert means["to_first_token"] == pytest.approx(100.0) and means["first_audio"] == pytest.approx(200.0)
     assert means["to_first_audio"] is None and server_means(None, after) is None
+    assert means["first_decode"] is None, "a histogram on neither page"
 
 
 def test_server_sums_add_every_series_of_a_histogram():

@@ -205,8 +205,10 @@ def test_models_health_and_metrics(server):
     # the engine thread times its own turns (the engine process's too: they cross the pipe with its stats)
     assert metric(server.url, "chattts_engine_loop_seconds_count") > 0
     assert metric(server.url, "chattts_engine_loop_seconds_sum") > 0
-    # and splits a request's first audio into its wait for a first token and from there to audio
-    for name in ("chattts_engine_first_token_seconds", "chattts_engine_first_audio_seconds"):
+    # and splits a request's first audio into its wait for a first token and from there to audio (the audio
+    # pump's part of it too)
+    for name in ("chattts_engine_first_token_seconds", "chattts_engine_first_audio_seconds",
+                 "chattts_engine_first_decode_seconds"):
         assert metric(server.url, name + "_count") > 0 and metric(server.url, name + "_sum") > 0, name
     # and counts where its thread's time goes (not summed over fronts: one engine's)
     parts = {part: metric(server.url, f'chattts_engine_thread_seconds_total{{part="{part}"}}')

@@ -304,6 +304,9 @@ def test_audio_pump_decodes_every_stream_of_an_engine_step_in_one_round(chat, th
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.shape == w.shape and np.allclose(g, w, atol=1e-5), i
     assert not pump._feeds, "finished feeds should be forgotten"
+    for s in streams:  # the pump marks when each first window's tokens came, then its first audio
+        (times,) = s.times.values()
+        assert times.audio_ready is not None and times.audio_ready <= times.first_audio
 
 
 @pytest.mark.parametrize("every_round", [True, False])

@@ -145,7 +145,11 @@ class Feed:
                 self.pump.audio.hold(tokens)
             self.audio[out.request_id].push(tokens, finished=out.finished)
         self._outputs += outputs
-        self._windows += [w for a in self.audio.values() for w in a.ready()]
+        ready = [w for a in self.audio.values() for w in a.ready()]
+        for w in ready:
+            if w.start == 0:  # its first audio's tokens are here: the rest of its way is the pump's
+                self.stream.mark_audio_ready(self.owner[id(w.stream)])
+        self._windows += ready
 
     def deadline(self, rid: str) -> float | None:
         """When request ``rid``'s listener, playing since its first audio, runs out of the audio sent so far

@@ -47,7 +47,9 @@ DEFINITIONS = {
     "server_mean_ms": "the server's own means over the rate (its /metrics before and after it; None where it has "
                       "none): to_first_token, a request submitted to the engine to its first token (the wait for "
                       "the running step, its prompt step); to_first_audio, from there to its first audio (its "
-                      "first window, the audio round); first_audio, the HTTP request's start to its first audio",
+                      "first window, the audio round); first_decode, the audio's part of to_first_audio (its "
+                      "first window's tokens handed to the audio pump to its first audio: the pump's hold for a "
+                      "safe start, the decode); first_audio, the HTTP request's start to its first audio",
     "engine_thread": "each part's share of the engine thread's time over the rate (the server's /metrics before "
                      "and after it; None where it has none): idle (no work), step (scheduling, launching, "
                      "reading outputs), deliver (the audio round on the engine thread), each *_device_wait its "
@@ -59,6 +61,7 @@ DEFINITIONS = {
 }
 SERVER_MEANS = {"to_first_token": "chattts_engine_first_token_seconds",
                 "to_first_audio": "chattts_engine_first_audio_seconds",
+                "first_decode": "chattts_engine_first_decode_seconds",
                 "first_audio": "chattts_time_to_first_audio_seconds"}
 """``server_mean_ms``'s histograms on the server's ``/metrics``."""
 
@@ -281,7 +284,8 @@ def server_means(before, after) -> dict[str, float | None] | None:
         return None
     means = {}
     for key, name in SERVER_MEANS.items():
-        total, count = (a - b for a, b in zip(after[name], before[name], strict=True))
+        total, count = (a - b for a, b in zip(after.get(name, (0.0, 0.0)), before.get(name, (0.0, 0.0)),
+                                               strict=True))  # (a family a server lacks: none)
         means[key] = total / count * 1e3 if count > 0 else None
     return means
 
@@ -308,9 +312,9 @@ def run_and_report(cfg: OpenLoopConfig) -> dict:
           + (f"{best:g} req/s" if best is not None else "none of the rates tried"))
     means = [(r["rate"], r["server_mean_ms"]) for r in rows if r.get("server_mean_ms")]
     if means:
-        print("server side, mean ms (to first token, then to first audio; first audio): " + "; ".join(
-            f"{rate:g} req/s: {_cell(m['to_first_token'])}, {_cell(m['to_first_audio'])}; {_cell(m['first_audio'])}"
-            for rate, m in means))
+        print("server side, mean ms (to first token, then to first audio (the audio pump's part); first audio): "
+              + "; ".join(f"{rate:g} req/s: {_cell(m['to_first_token'])}, {_cell(m['to_first_audio'])} "
+                          f"({_cell(m.get('first_decode'))}); {_cell(m['first_audio'])}" for rate, m in means))
     for r in rows:
         if line := format_engine(r):
             print(f"at {r['rate']:g} req/s: {line}")

@@ -94,6 +94,7 @@ class AsyncLLMEngine:
         self._loop_time = Timings()
         self._first_token_wait = Timings()
         self._first_audio_wait = Timings()
+        self._first_decode_wait = Timings()
         self._thread_time = dict.fromkeys(THREAD_PARTS, 0.0)  # the engine thread's (``EngineStats.thread_time``)
         self._young: dict[str, RequestTimes] = {}
         """Requests with a first token and no first audio yet (engine thread): ``_first_audio_wait``."""
@@ -193,7 +194,8 @@ class AsyncLLMEngine:
                 requests[rid] = stream.times[rid]
             engine = replace(self._stats, abort_wait=self._abort_wait.copy(), loop_time=self._loop_time.copy(),
                              first_token_wait=self._first_token_wait.copy(),
-                             first_audio_wait=self._first_audio_wait.copy(), thread_time=dict(self._thread_time))
+                             first_audio_wait=self._first_audio_wait.copy(),
+                             first_decode_wait=self._first_decode_wait.copy(), thread_time=dict(self._thread_time))
             return AsyncStats(engine=engine, num_requests=self._num_requests, requests=requests)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -356,6 +358,8 @@ class AsyncLLMEngine:
             del self._young[rid]
             self._late.pop(rid, None)
             self._first_audio_wait.observe(times.first_audio - times.first_token)
+            if times.audio_ready is not None:
+                self._first_decode_wait.observe(times.first_audio - times.audio_ready)
         for rid, listened in ended:
             if listened:
                 self._late[rid] = now

@@ -70,6 +70,9 @@ class EngineStats:
     first_audio_wait: Timings | None = None
     """A streamed request, from its first token to its first audio: its first window and the audio round that
     decodes it (set likewise)."""
+    first_decode_wait: Timings | None = None
+    """The audio's part of ``first_audio_wait``: from the request's first audio's tokens reaching the audio
+    pump (``RequestTimes.audio_ready``) to its first audio (set likewise)."""
     thread_time: dict[str, float] | None = None
     """Seconds the engine thread has spent in each of ``timings.THREAD_PARTS`` since it began (set likewise):
     over an interval, whether the engine waited for the device (device-bound) or the device for the host."""

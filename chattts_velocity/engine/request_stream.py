@@ -24,6 +24,10 @@ class RequestTimes:
 
     queued: float
     first_token: float | None = None
+    audio_ready: float | None = None
+    """When the tokens of its first audio reached whoever turns them into audio, its first window decodable
+    (``RequestStream.mark_audio_ready``): from here to ``first_audio`` the way is theirs (an audio pump's hold
+    for a safe start, the decode)."""
     first_audio: float | None = None
     """Set by whoever turns tokens into audio (``RequestStream.mark_first_audio``)."""
     finished: float | None = None
@@ -58,6 +62,11 @@ class RequestStream:
     def listener(self):
         """What ``listen`` set (None: nobody)."""
         return self._listener
+
+    def mark_audio_ready(self, request_id: str) -> None:
+        times = self.times[request_id]
+        if times.audio_ready is None:
+            times.audio_ready = time.monotonic()
 
     def mark_first_audio(self, request_id: str) -> None:
         times = self.times[request_id]

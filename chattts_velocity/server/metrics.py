@@ -104,19 +104,22 @@ class Metrics:
 
 class _EngineTimings:
     """The engine thread's own histograms (``EngineStats.abort_wait``, ``loop_time``, ``first_token_wait``,
-    ``first_audio_wait``), as of the latest stats:
+    ``first_audio_wait``, ``first_decode_wait``), as of the latest stats:
     the same from every front of one engine, so never summed across fronts (``Metrics.own`` leaves them out)."""
 
     NAMES = ("chattts_engine_abort_wait_seconds", "chattts_engine_loop_seconds",
-             "chattts_engine_first_token_seconds", "chattts_engine_first_audio_seconds")
+             "chattts_engine_first_token_seconds", "chattts_engine_first_audio_seconds",
+             "chattts_engine_first_decode_seconds")
     DOCS = ("an abort, from asked to its KV blocks freed",
             "one turn of the engine thread: a step and the audio round after it (an abort waits at most the "
             "turn it arrives in)",
             "a request, from submitted to the engine to its first token: the wait for the step running when it "
             "came, and its prompt step",
             "a streamed request, from its first token to its first audio: its first window and the audio round "
-            "that decodes it")
-    FIELDS = ("abort_wait", "loop_time", "first_token_wait", "first_audio_wait")
+            "that decodes it",
+            "a streamed request, from its first audio's tokens reaching the audio pump to its first audio: the "
+            "pump's hold for a safe start and the decode (the audio's part of chattts_engine_first_audio_seconds)")
+    FIELDS = ("abort_wait", "loop_time", "first_token_wait", "first_audio_wait", "first_decode_wait")
     THREAD = "chattts_engine_thread_seconds"
     """``EngineStats.thread_time``: a counter a part (``timings.THREAD_PARTS``)."""
     COUNTS = (("chattts_engine_prompt_steps", "num_prompt_steps", "engine steps that computed prompts"),
