@@ -44,6 +44,8 @@ from chattts_velocity.serving.engine_process.messages import (
     Start,
     Stats,
     open_pipes,
+    recv_audio,
+    send_audio,
 )
 from chattts_velocity.serving.engine_process.remote import RemoteClient
 from chattts_velocity.serving.engine_process.remote_audio import RemoteAudio
@@ -232,7 +234,7 @@ def test_a_message_whose_handling_fails_does_not_stop_the_front_reading_the_engi
     assert engine.cmd.poll(10) and engine.cmd.recv() == Collected((1, "c2"), ["families"])
     audio = client.start([], None, 4)
     assert engine.cmd.poll(10) and isinstance(engine.cmd.recv(), Start)
-    engine.audio.send(AudioBatch([AudioItem(audio.rid, np.ones(5, np.float32)), AudioItem(audio.rid, None)]))
+    send_audio(engine.audio, AudioBatch([AudioItem(audio.rid, np.ones(5, np.float32)), AudioItem(audio.rid, None)]))
     samples, failure = read(audio, 10)
     assert failure is None and samples.tolist() == [1.0] * 5
     assert "collecting this front's metrics for another front failed" in caplog.text
@@ -272,7 +274,7 @@ def test_a_request_whose_audio_cannot_be_shipped_fails_alone(caplog):
     items = []
     deadline = time.monotonic() + 10
     while len(items) < 3 and ends.audio.poll(max(0.0, deadline - time.monotonic())):
-        items += ends.audio.recv().items
+        items += recv_audio(ends.audio).items
     bad = [item for item in items if item.rid == "bad"]
     assert len(bad) == 1 and bad[0].chunk is None and "ValueError" in bad[0].failure
     good = [item for item in items if item.rid == "good"]
@@ -418,3 +420,55 @@ def test_the_engine_process_serves_its_fronts_and_exits_when_they_left(upstream_
     finally:
         first.close()
     assert first.process.exitcode == 0
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["whole-writes", "partial-writes"])
+def test_audio_batches_cross_the_pipe_with_their_samples_out_of_band(monkeypatch, partial):
+    """``send_audio``/``recv_audio``: batches of chunks (small, past the pipe's buffer, empty, not contiguous),
+    ends and failures arrive whole and in order, as writable arrays, with no sample in the pickled part; where
+    the system writes only part of what ``writev`` is given, the rest follows."""
+    from chattts_velocity.serving.engine_process import messages
+
+    if partial:  # at most 1,000 bytes a call, cut anywhere
+        writev = os.writev
+
+        def short(fd, views):
+            left, cut = 1000, []
+            for view in views:
+                cut.append(memoryview(view)[:left])
+                left -= cut[-1].nbytes
+                if not left:
+                    break
+            return writev(fd, cut)
+
+        monkeypatch.setattr(messages.os, "writev", short)
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal(200_000).astype(np.float32)  # past the pipe's 64 KiB: the writer waits for the reader
+    batches = [
+        AudioBatch([AudioItem("a", rng.standard_normal(5).astype(np.float32)), AudioItem("b", big),
+                    AudioItem("c", np.zeros(0, np.float32)), AudioItem("d", big[::2]), AudioItem("a", None),
+                    AudioItem("e", None, "RuntimeError: boom")]),
+        AudioBatch([]),
+        AudioBatch([AudioItem("f", None)]),
+        AudioBatch([AudioItem("g", big[:7])]),
+    ]
+    buffers: list = []
+    pickle.dumps(batches[0], protocol=5, buffer_callback=buffers.append)
+    assert sum(b.raw().nbytes for b in buffers) >= big.nbytes, "the large chunks go out of band"
+    ends = open_pipes(1)
+    reader, writer = ends[1][0].audio, ends[0][0].audio
+    got: list = []
+    thread = threading.Thread(target=lambda: got.extend(recv_audio(reader) for _ in batches))
+    thread.start()
+    for batch in batches:
+        send_audio(writer, batch)
+    thread.join(30)
+    assert not thread.is_alive() and len(got) == len(batches)
+    for sent, received in zip(batches, got, strict=True):
+        assert [(i.rid, i.failure) for i in received.items] == [(i.rid, i.failure) for i in sent.items]
+        for a, b in zip(sent.items, received.items, strict=True):
+            assert (a.chunk is None) == (b.chunk is None)
+            if a.chunk is not None:
+                assert b.chunk.dtype == np.float32 and np.array_equal(a.chunk, b.chunk) and b.chunk.flags.writeable
+    for end in (*ends[0], *ends[1]):
+        end.close()

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import enum
 import multiprocessing as mp
+import os
+import pickle
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -194,6 +197,63 @@ class AudioBatch:
     """Every chunk one front's requests had ready in one shipper pass."""
 
     items: list[AudioItem]
+
+
+def send_audio(conn, batch: AudioBatch) -> None:
+    """Send ``batch`` on an audio pipe (``recv_audio`` reads it): its chunks' samples out of band (pickle
+    protocol 5), written from the arrays' own memory with the rest in one ``writev``, so the engine process
+    copies no sample under the GIL its engine thread needs (pickled whole, every chunk was copied twice). Two
+    messages in the pipe's framing: the buffers' sizes with the pickled rest, then the samples (none without
+    any)."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
+    views = [buf.raw() for buf in buffers]
+    sizes = [view.nbytes for view in views]
+    meta = struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes) + head
+    parts = [struct.pack("!i", len(meta)), meta]
+    if views:
+        if sum(sizes) > 0x7FFFFFFF:
+            raise ValueError(f"an audio batch of {sum(sizes)} bytes is too large for one message")
+        parts += [struct.pack("!i", sum(sizes)), *views]
+    if not hasattr(os, "writev"):  # (no writev: the pipe's own writes, a message at a time)
+        conn.send_bytes(meta)
+        if views:
+            conn.send_bytes(b"".join(views))
+        return
+    _write_all(conn.fileno(), parts)
+
+
+def _write_all(fd: int, parts: list) -> None:
+    """Write ``parts`` (buffers) to ``fd`` in order with as few ``writev`` calls as the system allows."""
+    views = [memoryview(part).cast("B") for part in parts]
+    limit = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16
+    i = 0
+    while i < len(views):
+        written = os.writev(fd, views[i : i + limit])
+        while i < len(views) and written >= views[i].nbytes:
+            written -= views[i].nbytes
+            i += 1
+        if written:  # a partial write: the rest of this buffer next
+            views[i] = views[i][written:]
+
+
+def recv_audio(conn) -> AudioBatch:
+    """The next ``AudioBatch`` that ``send_audio`` wrote on ``conn``; its chunks are writable arrays over one
+    buffer received in place."""
+    meta = conn.recv_bytes()
+    (count,) = struct.unpack_from("<I", meta)
+    sizes = struct.unpack_from(f"<{count}Q", meta, 4)
+    body = bytearray(sum(sizes))
+    if count:
+        conn.recv_bytes_into(body)
+    whole, buffers, at = memoryview(body), [], 0
+    for size in sizes:
+        buffers.append(whole[at : at + size])
+        at += size
+    batch = pickle.loads(memoryview(meta)[4 + 8 * count :], buffers=buffers)
+    if not isinstance(batch, AudioBatch):
+        raise TypeError(f"the audio pipe carried a {type(batch).__name__}")
+    return batch
 
 
 # ============================================================================ the pipes

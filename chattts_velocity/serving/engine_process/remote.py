@@ -48,6 +48,7 @@ from .messages import (
     Stop,
     VoiceAdded,
     open_pipes,
+    recv_audio,
 )
 from .remote_audio import RemoteAudio
 from .writer import CommandWriter, PipeClosedError
@@ -144,10 +145,10 @@ class RemoteClient(EngineClient):
         self._writer = CommandWriter(self.ends.cmd)
         self.voices = VoiceRegistry(self.kit.speaker_stats, self.kit.config.hidden_size, self._voices_dir,
                                     self._shared_voices)
-        for name, conn, handlers in (("events", self.ends.events, self._events),
-                                     ("audio", self.ends.audio, {AudioBatch: self._on_audio})):
-            threading.Thread(target=self._read, args=(conn, handlers), name=f"chattts-velocity-engine-{name}",
-                             daemon=True).start()
+        for name, conn, handlers, receive in (("events", self.ends.events, self._events, None),
+                                              ("audio", self.ends.audio, {AudioBatch: self._on_audio}, recv_audio)):
+            threading.Thread(target=self._read, args=(conn, handlers, receive),
+                             name=f"chattts-velocity-engine-{name}", daemon=True).start()
         return self.info
 
     def close(self, timeout: float = 30.0) -> None:
@@ -268,11 +269,12 @@ class RemoteClient(EngineClient):
             pass
 
     # ---------------------------------------------------------------- the reader threads
-    def _read(self, conn, handlers: dict) -> None:
-        """Hand every message of ``conn`` to its handler until the engine process closes it."""
+    def _read(self, conn, handlers: dict, receive=None) -> None:
+        """Hand every message of ``conn`` to its handler until the engine process closes it; ``receive(conn)``
+        reads one (None: ``conn.recv``; the audio pipe's: ``recv_audio``)."""
         while True:
             try:
-                msg = conn.recv()
+                msg = conn.recv() if receive is None else receive(conn)
             except (EOFError, OSError):
                 break
             handler = handlers.get(type(msg))

@@ -1,6 +1,7 @@
 """The engine process's audio shipper: one thread sends every request's ready chunks to its front, all of one
 front's requests' chunks of a pass in one message (a message per chunk would cost the engine process a pickle
-and a write each, under the GIL its engine thread needs)."""
+and a write each, under the GIL its engine thread needs), their samples written from the chunks' own memory
+(``messages.send_audio``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 
 from ...audio.pump import take_ready
 from ..client import RequestAudio
-from .messages import AudioBatch, AudioItem, EngineEnds
+from .messages import AudioBatch, AudioItem, EngineEnds, send_audio
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,11 @@ class Shipper:
             for front, items in batches.items():
                 if items and front.open:
                     try:
-                        front.ends.audio.send(AudioBatch(items))
+                        send_audio(front.ends.audio, AudioBatch(items))
                     except (OSError, EOFError):  # the front is gone: the host cancels its requests
                         pass
+                    except ValueError:  # (a pass's audio past one message's size: never seen)
+                        logger.exception("shipping audio to front %d failed", front.index)
 
     def _take(self, rid: str, audio: RequestAudio, front: Front, out: list[AudioItem]) -> None:
         """Add what ``audio`` has ready to ``out``: its chunks as one, then its end if it ended."""
