@@ -279,7 +279,7 @@ def test_hurry_puts_off_a_full_round_but_not_first_audio_or_a_due_chunk():
     new.give(20)
     pump.wake(hurry=True)  # a request waits for the next step on its way to first audio
     assert len(new.got()) == 1 and old.got() == [], "the full round was not put off"
-    assert id(old.stream) in pump._deferred, "looked at again in the next wake"
+    assert old.stream in pump._deferred, "looked at again in the next wake"
     clock.t = 0.02
     pump.wake(hurry=False)
     assert old.got()

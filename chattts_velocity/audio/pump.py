@@ -100,7 +100,7 @@ class Feed:
         self.config = config
         self.every_round = every_round
         self.audio = {rid: AudioStream(config) for rid in stream.request_ids}
-        self.owner = {id(a): rid for rid, a in self.audio.items()}
+        self.owner = {a: rid for rid, a in self.audio.items()}
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
         self._outputs: list = []  # taken from the stream, not yet delivered
@@ -148,7 +148,7 @@ class Feed:
         ready = [w for a in self.audio.values() for w in a.ready()]
         for w in ready:
             if w.start == 0:  # its first audio's tokens are here: the rest of its way is the pump's
-                self.stream.mark_audio_ready(self.owner[id(w.stream)])
+                self.stream.mark_audio_ready(self.owner[w.stream])
         self._windows += ready
 
     def deadline(self, rid: str) -> float | None:
@@ -161,7 +161,7 @@ class Feed:
         out: dict[str, list[Window]] = {}
         if len(self.started) < len(self.audio):
             for w in self._windows:
-                if (rid := self.owner[id(w.stream)]) not in self.started:
+                if (rid := self.owner[w.stream]) not in self.started:
                     out.setdefault(rid, []).append(w)
         return out
 
@@ -170,15 +170,15 @@ class Feed:
         ``unstarted`` (``_unstarted()``, or none) whose first audio is not yet safe to start on
         (``deadlines.safe_to_start``, ``known``: whether the pace knows the load; its last window always is)."""
         least = 0 if known or not unstarted else self.config.head_tokens(BURST_CHUNKS)
-        held = {id(ws[0].stream) for ws in unstarted.values() if not ws[-1].final
+        held = {ws[0].stream for ws in unstarted.values() if not ws[-1].final
                 and not safe_to_start(sum(w.end - w.start for w in ws), gap_s, starting, least)}
-        ready = [w for w in self._windows if id(w.stream) not in held]
-        self._windows = [w for w in self._windows if id(w.stream) in held]
+        ready = [w for w in self._windows if w.stream not in held]
+        self._windows = [w for w in self._windows if w.stream in held]
         return ready
 
     def _due(self, windows: list[Window], horizon: float) -> bool:
         """A window of a request whose listener runs dry before ``horizon``."""
-        return any((d := self.deadline(self.owner[id(w.stream)])) is not None and d < horizon for w in windows)
+        return any((d := self.deadline(self.owner[w.stream])) is not None and d < horizon for w in windows)
 
     def _send(self, item) -> None:
         if not self.closed:
@@ -230,9 +230,11 @@ class AudioPump:
         """The recent steps and full rounds: how long until the next round may bring more audio."""
         self._lock = threading.Lock()  # guards the three dicts below
         self._rounds = threading.Lock()  # one round at a time, on whichever thread runs it
-        self._feeds: dict[int, Feed] = {}  # id(stream) -> its feed
-        self._marked: dict[int, None] = {}  # ids of streams with news, in order
-        self._deferred: dict[int, None] = {}  # ids of streams with windows put off: marked at the next wake
+        # (keyed by the objects themselves, hashed by identity: ``id()`` is an audited event, and an audit hook
+        # that a library installs (filelock's, on Python 3.12) turns every call of it into a Python call)
+        self._feeds: dict[object, Feed] = {}  # stream -> its feed
+        self._marked: dict[object, None] = {}  # streams with news, in order
+        self._deferred: dict[object, None] = {}  # streams with windows put off: marked at the next wake
         self._last_decode = float("-inf")
         self._round_since: float | None = None  # when the rounds of the wake in progress began (``clock``)
         self.num_calls = 0
@@ -244,7 +246,7 @@ class AudioPump:
         ``every_round``: see ``Feed``."""
         feed = Feed(self, stream, config, use_decoder, notify, every_round)
         with self._lock:
-            self._feeds[id(stream)] = feed
+            self._feeds[stream] = feed
         stream.listen(self)
         # outputs that came before ``listen`` marked nothing, and a ``close`` before it told nobody: take them
         # now (later outputs are marked and taken by the engine thread's round after their step)
@@ -265,15 +267,15 @@ class AudioPump:
     def mark(self, stream) -> None:
         """``stream`` has new outputs; the next ``wake`` takes them."""
         with self._lock:
-            self._marked[id(stream)] = None
+            self._marked[stream] = None
 
     def closed(self, stream) -> None:
         """``stream`` was closed (from any thread, the server's event loop included): its reader's feed ends at
         once, without running a round on the caller's thread."""
         with self._lock:
-            feed = self._feeds.pop(id(stream), None)
-            self._marked.pop(id(stream), None)
-            self._deferred.pop(id(stream), None)
+            feed = self._feeds.pop(stream, None)
+            self._marked.pop(stream, None)
+            self._deferred.pop(stream, None)
         if feed is not None:
             feed._send(_END)
 
@@ -362,8 +364,8 @@ class AudioPump:
     def _forget(self, feed: Feed) -> None:
         feed.stream.listen(None)
         with self._lock:
-            if self._feeds.get(id(feed.stream)) is feed:
-                del self._feeds[id(feed.stream)]
+            if self._feeds.get(feed.stream) is feed:
+                del self._feeds[feed.stream]
 
     def _round(self, feeds: list[Feed], hurry: bool) -> bool:
         """Take the feeds' news; decode and deliver what this round takes (see the class), the rest stays marked;
@@ -382,47 +384,47 @@ class AudioPump:
         with self._lock:
             feeds_open = len(self._feeds)
         gap = self.pace.gap_s(feeds_open)
-        unstarted = {id(feed): feed._unstarted() if self.safe_start else {} for feed in live}
+        unstarted = {feed: feed._unstarted() if self.safe_start else {} for feed in live}
         starting = sum(map(len, unstarted.values()))
         known = self.pace.knows(feeds_open)
-        ready = {id(feed): feed._ready(unstarted[id(feed)], gap, starting, known) for feed in live}
+        ready = {feed: feed._ready(unstarted[feed], gap, starting, known) for feed in live}
         paced = now - self._last_decode < self.round_interval_s
         full = not paced and not (hurry and self.deadlines)
         if self.deadlines and not full:  # due: would run dry before this round, a step and a full round more
             horizon = now + self.pace.round_s(feeds_open) + gap + PLAYBACK_GUARD_S
-            full = any(feed._due(ready[id(feed)], horizon) for feed in live)
-        urgent = {id(feed) for feed in live if not full and _urgent(feed, ready[id(feed)])}
-        taken = [feed for feed in live if full or id(feed) in urgent]
-        self._put_off([] if full else [feed for feed in live if id(feed) not in urgent], ready)
+            full = any(feed._due(ready[feed], horizon) for feed in live)
+        urgent = {feed for feed in live if not full and _urgent(feed, ready[feed])}
+        taken = [feed for feed in live if full or feed in urgent]
+        self._put_off([] if full else [feed for feed in live if feed not in urgent], ready)
         if not taken:
             return False
-        decodes = any(ready[id(feed)] for feed in taken)
+        decodes = any(ready[feed] for feed in taken)
         if full and decodes:
             self._last_decode = now
-        first = {id(f) for f in taken if self.deadlines and any(w.start == 0 for w in ready[id(f)])}
-        for group in ([f for f in taken if id(f) in first], [f for f in taken if id(f) not in first]):
+        first = {f for f in taken if self.deadlines and any(w.start == 0 for w in ready[f])}
+        for group in ([f for f in taken if f in first], [f for f in taken if f not in first]):
             if group:
-                self._deliver([(feed, ready[id(feed)]) for feed in group])
+                self._deliver([(feed, ready[feed]) for feed in group])
         if full and decodes:
-            self.pace.round_took(self.clock() - now, sum(bool(ready[id(feed)]) for feed in taken), feeds_open)
+            self.pace.round_took(self.clock() - now, sum(bool(ready[feed]) for feed in taken), feeds_open)
         return True
 
-    def _put_off(self, feeds: list[Feed], ready: dict[int, list[Window]]) -> None:
+    def _put_off(self, feeds: list[Feed], ready: dict[Feed, list[Window]]) -> None:
         """The windows this round does not take wait (with any held ones): a feed with windows put off is looked
         at again in the next wake, one without waits for its stream's next output (its outputs go out with its
         next delivery). Neither is looked at again in this wake, which would find them as they are."""
         for feed in feeds:
-            feed._windows = ready[id(feed)] + feed._windows
+            feed._windows = ready[feed] + feed._windows
         with self._lock:
             for feed in feeds:
-                if ready[id(feed)] and id(feed.stream) in self._feeds:
-                    self._deferred[id(feed.stream)] = None
+                if ready[feed] and feed.stream in self._feeds:
+                    self._deferred[feed.stream] = None
 
     def _deliver(self, taken: list[tuple[Feed, list[Window]]]) -> None:
         """Decode the feeds' windows (one call per decoder kind, ``decode_windows`` batching equal lengths) and
         send each feed its outputs, samples and end."""
-        wavs: dict[int, np.ndarray] = {}  # id(window) -> its samples
-        failed: dict[int, BaseException] = {}  # id(feed) -> the decode error
+        wavs: dict[Window, np.ndarray] = {}  # window -> its samples
+        failed: dict[Feed, BaseException] = {}  # feed -> the decode error
         for use_decoder in (True, False):
             group = [(feed, w) for feed, windows in taken if feed.use_decoder is use_decoder for w in windows]
             if not group:
@@ -431,21 +433,21 @@ class AudioPump:
                 decoded = self.decode([w for _, w in group], use_decoder)
             except Exception as err:  # noqa: BLE001 - every feed of the call sees the failure
                 for feed, _ in group:
-                    failed[id(feed)] = err
+                    failed[feed] = err
                 continue
             for (_, window), wav in zip(group, decoded, strict=True):
-                wavs[id(window)] = wav
+                wavs[window] = wav
         sends: list[tuple[Feed, object]] = []  # sent once decoded: a woken reader competes for the GIL
         now = self.clock()
         for feed, windows in taken:
             outputs, feed._outputs = feed._outputs, []
-            if id(feed) in failed:
-                sends.append((feed, failed[id(feed)]))
+            if feed in failed:
+                sends.append((feed, failed[feed]))
                 continue
             delivery = Delivery(outputs)
             for window in windows:
-                rid = feed.owner[id(window.stream)]
-                delivery.samples.setdefault(rid, []).append(window.stream.accept(window, wavs[id(window)]))
+                rid = feed.owner[window.stream]
+                delivery.samples.setdefault(rid, []).append(window.stream.accept(window, wavs[window]))
                 feed.started.setdefault(rid, now)
                 feed.stream.mark_first_audio(rid)
             delivery.done = frozenset(rid for rid, a in feed.audio.items() if a.done)

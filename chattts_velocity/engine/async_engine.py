@@ -332,7 +332,8 @@ class AsyncLLMEngine:
             if out.finished and out.request_id in self._young:
                 # its first audio may still come where the listener's rounds run on a thread of their own
                 ended.append((out.request_id, getattr(stream and stream.listener, "thread", False)))
-        listeners = {id(s.listener): s.listener for s in streams if s is not None and s.listener}
+        listeners = dict.fromkeys(s.listener for s in streams if s is not None and s.listener)  # (not ``id()``: see
+        # ``AudioPump._feeds``)
         hurry = False
         if listeners:  # the next step, if it leads to first audio, computes on the device during the round
             self._take_pending()
@@ -341,7 +342,7 @@ class AsyncLLMEngine:
                 self.engine.launch_ahead(hurry)
             except Exception:  # noqa: BLE001 - (it reports its own failures to the next step) the loop goes on
                 logger.exception("launching the next step ahead failed")
-        for listener in listeners.values():
+        for listener in listeners:
             # once per step: the audio of every stream of this step is decoded in one round, a short one while a
             # request waits for the next step on its way to first audio (its prefill or first window)
             listener.wake(hurry=hurry)
