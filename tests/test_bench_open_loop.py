@@ -228,7 +228,7 @@ def test_bad_settings_say_what_to_fix(kwargs, message):
 def test_server_means_come_from_the_metrics_before_and_after_a_rate():
     """``server_mean_ms``: each histogram's sum and count summed over its series (fronts, replicas), the
     difference across the rate as a mean; None without both scrapes or without a new observation."""
-    from chattts_velocity.bench.open_loop import SERVER_MEANS, server_means
+    from chattts_velocity.bench.server_metrics import SERVER_MEANS, format_means, server_means
 
     token, audio, whole = SERVER_MEANS["to_first_token"], SERVER_MEANS["to_first_audio"], SERVER_MEANS["first_audio"]
     before = {token: (1.0, 10.0), audio: (0.5, 10.0), whole: (2.0, 10.0)}
@@ -237,6 +237,7 @@ def test_server_means_come_from_the_metrics_before_and_after_a_rate():
     assert means["to_first_token"] == pytest.approx(100.0) and means["first_audio"] == pytest.approx(200.0)
     assert means["to_first_audio"] is None and server_means(None, after) is None
     assert means["first_decode"] is None, "a histogram on neither page"
+    assert format_means(means) == "100.0, - (-); 200.0"
 
 
 def test_server_sums_add_every_series_of_a_histogram():
@@ -245,8 +246,7 @@ def test_server_sums_add_every_series_of_a_histogram():
     import http.server
     import threading
 
-    from chattts_velocity.bench.open_loop import page_sums
-    from chattts_velocity.bench.server_metrics import metrics_page
+    from chattts_velocity.bench.server_metrics import metrics_page, page_sums
 
     page = "\n".join([
         "# TYPE chattts_engine_first_token_seconds histogram",
@@ -418,7 +418,7 @@ def test_readings_start_where_the_clients_start(monkeypatch):
     monkeypatch.setattr(server_metrics, "metrics_page", lambda url: next(pages))
     with server_metrics.Readings("http://10.0.0.7:8000") as server:
         pass  # the clients start: nothing is read
-    assert server.fields() == {"engine_thread": None, "engine_steps": None, "gpu_busy": None}
+    assert server.fields() == {"engine_thread": None, "engine_steps": None, "server_mean_ms": None, "gpu_busy": None}
     with server_metrics.Readings("http://10.0.0.7:8000") as server:
         server.start()  # the engine thread idled 5 s before it
     assert server.fields()["engine_thread"] == pytest.approx({"idle": 0.25, "step": 0.75})

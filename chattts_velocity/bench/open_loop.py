@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 import time
 from dataclasses import asdict, dataclass
 
@@ -23,7 +22,7 @@ from .http_client import Connection
 from .playback import StreamRecord
 from .report import prepare_output, write_json
 from .serve import CLIENT_BOUND, TEXT, run_client_processes
-from .server_metrics import Readings, format_engine
+from .server_metrics import MEANS_LEGEND, Readings, format_engine, format_means
 
 BYTES_PER_S = 2 * SAMPLE_RATE
 """pcm: 16-bit mono samples at 24 kHz."""
@@ -59,11 +58,6 @@ DEFINITIONS = {
     "gpu_busy": "this machine's GPU utilization over the rate (nvidia-smi: the share of time a kernel ran, every "
                 "100 ms, mean over GPUs and samples), for a server on this machine; None otherwise",
 }
-SERVER_MEANS = {"to_first_token": "chattts_engine_first_token_seconds",
-                "to_first_audio": "chattts_engine_first_audio_seconds",
-                "first_decode": "chattts_engine_first_decode_seconds",
-                "first_audio": "chattts_time_to_first_audio_seconds"}
-"""``server_mean_ms``'s histograms on the server's ``/metrics``."""
 
 
 @dataclass(frozen=True)
@@ -264,37 +258,10 @@ async def _warm_up(cfg: OpenLoopConfig) -> float:
     return time.perf_counter() - begun
 
 
-def page_sums(text: str | None) -> dict[str, tuple[float, float]] | None:
-    """Each of ``SERVER_MEANS``' histograms on a ``/metrics`` page: (sum, count) over its series (fronts and
-    replicas); None without the page (it could not be read)."""
-    if text is None:
-        return None
-    sums = {}
-    for name in SERVER_MEANS.values():
-        values = {"sum": 0.0, "count": 0.0}
-        for part, value in re.findall(rf"^{name}_(sum|count)(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE):
-            values[part] += float(value)
-        sums[name] = (values["sum"], values["count"])
-    return sums
-
-
-def server_means(before, after) -> dict[str, float | None] | None:
-    """``server_mean_ms`` of a rate from the scrapes before and after it."""
-    if before is None or after is None:
-        return None
-    means = {}
-    for key, name in SERVER_MEANS.items():
-        total, count = (a - b for a, b in zip(after.get(name, (0.0, 0.0)), before.get(name, (0.0, 0.0)),
-                                               strict=True))  # (a family a server lacks: none)
-        means[key] = total / count * 1e3 if count > 0 else None
-    return means
-
-
 def _measured_rate(cfg: OpenLoopConfig, rate: float, processes: int) -> dict:
     with Readings(cfg.url) as server:
         row = run_rate(cfg, rate, processes, server.start)
-    return dict(row, server_mean_ms=server_means(page_sums(server.before), page_sums(server.after)),
-                **server.fields())
+    return dict(row, **server.fields())
 
 
 def run_and_report(cfg: OpenLoopConfig) -> dict:
@@ -312,9 +279,8 @@ def run_and_report(cfg: OpenLoopConfig) -> dict:
           + (f"{best:g} req/s" if best is not None else "none of the rates tried"))
     means = [(r["rate"], r["server_mean_ms"]) for r in rows if r.get("server_mean_ms")]
     if means:
-        print("server side, mean ms (to first token, then to first audio (the audio pump's part); first audio): "
-              + "; ".join(f"{rate:g} req/s: {_cell(m['to_first_token'])}, {_cell(m['to_first_audio'])} "
-                          f"({_cell(m.get('first_decode'))}); {_cell(m['first_audio'])}" for rate, m in means))
+        print(f"server side, mean ms ({MEANS_LEGEND}): "
+              + "; ".join(f"{rate:g} req/s: {format_means(m)}" for rate, m in means))
     for r in rows:
         if line := format_engine(r):
             print(f"at {r['rate']:g} req/s: {line}")

@@ -20,7 +20,7 @@ import numpy as np
 from ..constants import SAMPLE_RATE
 from .http_client import Connection
 from .report import require_matplotlib
-from .server_metrics import Readings, format_engine
+from .server_metrics import MEANS_LEGEND, Readings, format_engine, format_means
 
 TEXT = "Streaming speech for many users at once, chunk by chunk, as soon as it is generated."
 
@@ -267,6 +267,10 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
     report = {"config": asdict(cfg), "rows": rows}
     print(f"server {cfg.url}, pcm streaming, {cfg.requests_per_stream} request(s) per client")
     print(format_table(rows))
+    means = [(r["streams"], r["server_mean_ms"]) for r in rows if r.get("server_mean_ms")]
+    if means:
+        print(f"server side, mean ms ({MEANS_LEGEND}): "
+              + "; ".join(f"{n} streams: {format_means(m)}" for n, m in means))
     for r in rows:
         if line := format_engine(r):
             print(f"at {r['streams']} streams: {line}")
@@ -288,7 +292,8 @@ def run_and_report(cfg: ServeBenchConfig) -> dict:
 
 def _measured_level(cfg: ServeBenchConfig, n: int) -> dict:
     """A level with what the server showed of it (``Readings.fields``: the engine thread's time by part, its
-    steps and windows, this machine's GPUs for a server here), from its clients' start on."""
+    steps and windows, the server's means on the way to first audio, this machine's GPUs for a server here),
+    from its clients' start on."""
     with Readings(cfg.url) as server:
         row = _level(cfg, n, server.start)
     return dict(row, **server.fields())

@@ -1,6 +1,7 @@
 """What ``bench serve`` reads of the server around a level or a rate (``Readings``): off its ``/metrics`` page the
-engine thread's time by part and its prompt steps and decode windows, and, for a server on this machine, the
-GPUs' utilization; together they say whether the server was bound by its GPU or by its host."""
+engine thread's time by part, its prompt steps and decode windows and its own means on the way to first audio,
+and, for a server on this machine, the GPUs' utilization; together they say whether the server was bound by its
+GPU or by its host, and where its first audio's time went."""
 
 from __future__ import annotations
 
@@ -90,6 +91,52 @@ def format_windows(steps: dict) -> str:
             f"{steps['mean_batch']:.1f}, {steps['prompt_steps']} prompt steps")
 
 
+SERVER_MEANS = {"to_first_token": "chattts_engine_first_token_seconds",
+                "to_first_audio": "chattts_engine_first_audio_seconds",
+                "first_decode": "chattts_engine_first_decode_seconds",
+                "first_audio": "chattts_time_to_first_audio_seconds"}
+"""``server_mean_ms``'s histograms on the server's ``/metrics``: submitted to the engine → first token, from there
+→ first audio, the audio pump's part of that, and the HTTP request's start → first audio at the front."""
+
+MEANS_LEGEND = "to first token, then to first audio (the audio pump's part); first audio at the front"
+"""What ``format_means`` writes, in order."""
+
+
+def page_sums(text: str | None) -> dict[str, tuple[float, float]] | None:
+    """Each of ``SERVER_MEANS``' histograms on a ``/metrics`` page: (sum, count) over its series (fronts and
+    replicas); None without the page (it could not be read)."""
+    if text is None:
+        return None
+    sums = {}
+    for name in SERVER_MEANS.values():
+        values = {"sum": 0.0, "count": 0.0}
+        for part, value in re.findall(rf"^{name}_(sum|count)(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE):
+            values[part] += float(value)
+        sums[name] = (values["sum"], values["count"])
+    return sums
+
+
+def server_means(before, after) -> dict[str, float | None] | None:
+    """``server_mean_ms`` between two ``page_sums``: each histogram's mean (ms) over what it observed between
+    them (None where it observed nothing, or the server lacks it); None without both."""
+    if before is None or after is None:
+        return None
+    means = {}
+    for key, name in SERVER_MEANS.items():
+        total, count = (a - b for a, b in zip(after.get(name, (0.0, 0.0)), before.get(name, (0.0, 0.0)),
+                                               strict=True))
+        means[key] = total / count * 1e3 if count > 0 else None
+    return means
+
+
+def format_means(means: dict) -> str:
+    """``server_mean_ms`` as ``MEANS_LEGEND`` says."""
+    def cell(key):
+        value = means.get(key)
+        return "-" if value is None else f"{value:.1f}"
+    return f"{cell('to_first_token')}, {cell('to_first_audio')} ({cell('first_decode')}); {cell('first_audio')}"
+
+
 class GpuBusy:
     """This machine's GPU utilization while a level runs, from ``nvidia-smi`` (the share of time a kernel ran,
     sampled every ``period_ms``, averaged over the GPUs and the samples): for a server on this machine, whether
@@ -151,8 +198,8 @@ class Readings:
     """The server over the block it wraps, from ``start`` (which the block calls once its clients are ready and
     about to send: the clients' own start, when the server idles, is left out) to the block's end: its
     ``/metrics`` page then and at the end (``before``, ``after``; None where it cannot be read, or without a
-    ``start``) and ``GpuBusy`` between; ``fields()`` is a row's ``engine_thread``, ``engine_steps`` and
-    ``gpu_busy``."""
+    ``start``) and ``GpuBusy`` between; ``fields()`` is a row's ``engine_thread``, ``engine_steps``,
+    ``server_mean_ms`` and ``gpu_busy``."""
 
     def __init__(self, url: str):
         self.url, self.before, self.after = url, None, None
@@ -175,5 +222,6 @@ class Readings:
     def fields(self) -> dict:
         return {"engine_thread": thread_shares(thread_seconds(self.before), thread_seconds(self.after)),
                 "engine_steps": windows_between(engine_counts(self.before), engine_counts(self.after)),
+                "server_mean_ms": server_means(page_sums(self.before), page_sums(self.after)),
                 "gpu_busy": None if self._gpu is None else self._gpu.mean}
 
