@@ -316,10 +316,14 @@ def test_bench_serve_drives_the_server(server, tmp_path):
     # the engine thread's time over each level, from the server's counters: shares of the whole, steps among them
     for r in rows:
         assert sum(r["engine_thread"].values()) == pytest.approx(1.0) and r["engine_thread"]["step"] > 0, r
-        # and the server's own means on the way to first audio (the audio pump's part inside the second)
+        # and the server's own means on the way to first audio: the first token's and the front's are timed before
+        # the client has its audio; the engine times a first audio after the round that made it, which for a
+        # short request can come after the level's last byte (then that mean is None), the pump's part inside it
         means = r["server_mean_ms"]
-        assert all(0 < means[k] < 1e4 for k in ("to_first_token", "to_first_audio", "first_decode", "first_audio"))
-        assert means["first_decode"] <= means["to_first_audio"], means
+        assert set(means) == {"to_first_token", "to_first_audio", "first_decode", "first_audio"}, means
+        assert 0 < means["to_first_token"] < 1e4 and 0 < means["first_audio"] < 1e4, means
+        if means["to_first_audio"] is not None and means["first_decode"] is not None:
+            assert 0 < means["first_decode"] <= means["to_first_audio"], means
     # a level split over client processes (one per stream here): every request counted once
     split = run_and_report(ServeBenchConfig(url=server.url, streams=(3,), requests_per_stream=2, api_key=API_KEY,
                                             json_path=None, streams_per_process=1))["rows"][0]
