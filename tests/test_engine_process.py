@@ -422,14 +422,17 @@ def test_the_engine_process_serves_its_fronts_and_exits_when_they_left(upstream_
     assert first.process.exitcode == 0
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["whole-writes", "partial-writes"])
-def test_audio_batches_cross_the_pipe_with_their_samples_out_of_band(monkeypatch, partial):
+@pytest.mark.parametrize("writes", ["whole", "partial", "no-writev"])
+def test_audio_batches_cross_the_pipe_with_their_samples_out_of_band(monkeypatch, writes):
     """``send_audio``/``recv_audio``: batches of chunks (small, past the pipe's buffer, empty, not contiguous),
     ends and failures arrive whole and in order, as writable arrays, with no sample in the pickled part; where
-    the system writes only part of what ``writev`` is given, the rest follows."""
+    the system writes only part of what ``writev`` is given, the rest follows; without ``os.writev`` the pipe's
+    own writes carry the same messages."""
     from chattts_velocity.serving.engine_process import messages
 
-    if partial:  # at most 1,000 bytes a call, cut anywhere
+    if writes == "no-writev":
+        monkeypatch.delattr(messages.os, "writev")
+    if writes == "partial":  # at most 1,000 bytes a call, cut anywhere
         writev = os.writev
 
         def short(fd, views):

@@ -22,7 +22,7 @@ from .http_client import Connection
 from .playback import StreamRecord
 from .report import prepare_output, write_json
 from .serve import CLIENT_BOUND, TEXT, run_client_processes
-from .server_metrics import MEANS_LEGEND, Readings, format_engine, format_means
+from .server_metrics import MEANS_LEGEND, Readings, cell, format_engine, format_means
 
 BYTES_PER_S = 2 * SAMPLE_RATE
 """pcm: 16-bit mono samples at 24 kHz."""
@@ -231,18 +231,14 @@ def sustained_rate(rows: list[dict], p95_target_ms: float) -> float | None:
     return best
 
 
-def _cell(value, fmt: str = ".1f") -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def format_table(rows: list[dict]) -> str:
     lines = ["| rate req/s | offered | achieved | first audio p50 ms | p95 ms | p99 ms | underruns "
              "| start delay p50 ms | p95 ms | requests | failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['rate']:g} | {r['offered_rate']:.1f} | {r['achieved_rate']:.1f} | "
-                     f"{_cell(r['first_audio_p50_ms'])} | {_cell(r['first_audio_p95_ms'])} | "
-                     f"{_cell(r['first_audio_p99_ms'])} | {r['underruns']} | {_cell(r['start_delay_p50_ms'])} | "
-                     f"{_cell(r['start_delay_p95_ms'])} | {r['arrivals']} | {r['failed']} |")
+                     f"{cell(r['first_audio_p50_ms'])} | {cell(r['first_audio_p95_ms'])} | "
+                     f"{cell(r['first_audio_p99_ms'])} | {r['underruns']} | {cell(r['start_delay_p50_ms'])} | "
+                     f"{cell(r['start_delay_p95_ms'])} | {r['arrivals']} | {r['failed']} |")
     return "\n".join(lines)
 
 
@@ -287,7 +283,7 @@ def run_and_report(cfg: OpenLoopConfig) -> dict:
     for r in rows:
         if r["client_cpu_s"] > CLIENT_BOUND * r["wall_s"] or (r["send_lag_p99_ms"] or 0) > LAG_BOUND_S * 1e3:
             print(f"warning: at {r['rate']:g} req/s a client process was busy {r['client_cpu_s']:.1f} s of "
-                  f"{r['wall_s']:.1f} s and sent requests {_cell(r['send_lag_p99_ms'])} ms late (p99): the "
+                  f"{r['wall_s']:.1f} s and sent requests {cell(r['send_lag_p99_ms'])} ms late (p99): the "
                   "client may be the bottleneck (lower --streams-per-process)")
     if cfg.json_path:
         write_json(report, cfg.json_path)

@@ -129,12 +129,15 @@ def server_means(before, after) -> dict[str, float | None] | None:
     return means
 
 
+def cell(value, fmt: str = ".1f") -> str:
+    """A figure of a printed table or line, "-" for None (not measured)."""
+    return "-" if value is None else format(value, fmt)
+
+
 def format_means(means: dict) -> str:
     """``server_mean_ms`` as ``MEANS_LEGEND`` says."""
-    def cell(key):
-        value = means.get(key)
-        return "-" if value is None else f"{value:.1f}"
-    return f"{cell('to_first_token')}, {cell('to_first_audio')} ({cell('first_decode')}); {cell('first_audio')}"
+    to_token, to_audio, decode, front = (cell(means.get(key)) for key in SERVER_MEANS)
+    return f"{to_token}, {to_audio} ({decode}); {front}"
 
 
 class GpuBusy:

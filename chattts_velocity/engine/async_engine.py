@@ -332,8 +332,8 @@ class AsyncLLMEngine:
             if out.finished and out.request_id in self._young:
                 # its first audio may still come where the listener's rounds run on a thread of their own
                 ended.append((out.request_id, getattr(stream and stream.listener, "thread", False)))
-        listeners = dict.fromkeys(s.listener for s in streams if s is not None and s.listener)  # (not ``id()``: see
-        # ``AudioPump._feeds``)
+        # the listeners in order, each once (keyed by themselves, not ``id()``: see ``AudioPump._feeds``)
+        listeners = dict.fromkeys(s.listener for s in streams if s is not None and s.listener)
         hurry = False
         if listeners:  # the next step, if it leads to first audio, computes on the device during the round
             self._take_pending()

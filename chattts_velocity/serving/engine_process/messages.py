@@ -212,9 +212,9 @@ def send_audio(conn, batch: AudioBatch) -> None:
     meta = struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes) + head
     parts = [struct.pack("!i", len(meta)), meta]
     if views:
-        if sum(sizes) > 0x7FFFFFFF:
-            raise ValueError(f"an audio batch of {sum(sizes)} bytes is too large for one message")
-        parts += [struct.pack("!i", sum(sizes)), *views]
+        if (body := sum(sizes)) > 0x7FFFFFFF:
+            raise ValueError(f"an audio batch of {body} bytes is too large for one message")
+        parts += [struct.pack("!i", body), *views]
     if not hasattr(os, "writev"):  # (no writev: the pipe's own writes, a message at a time)
         conn.send_bytes(meta)
         if views:
@@ -223,13 +223,16 @@ def send_audio(conn, batch: AudioBatch) -> None:
     _write_all(conn.fileno(), parts)
 
 
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 16
+"""Most buffers one ``writev`` takes."""
+
+
 def _write_all(fd: int, parts: list) -> None:
     """Write ``parts`` (buffers) to ``fd`` in order with as few ``writev`` calls as the system allows."""
     views = [memoryview(part).cast("B") for part in parts]
-    limit = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16
     i = 0
     while i < len(views):
-        written = os.writev(fd, views[i : i + limit])
+        written = os.writev(fd, views[i : i + _IOV_MAX])
         while i < len(views) and written >= views[i].nbytes:
             written -= views[i].nbytes
             i += 1
