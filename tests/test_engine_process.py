@@ -248,6 +248,7 @@ class _Chunks:
 
     def __init__(self, chunks: list, broken: bool = False):
         self._chunks, self._broken = list(chunks), broken
+        self.started = False
 
     def __next__(self):
         if self._chunks:
@@ -256,6 +257,11 @@ class _Chunks:
 
     def on_ready(self, notify) -> None:
         pass
+
+    def start(self) -> None:
+        self.started = True
+        if self._broken:
+            raise RuntimeError("cannot start")
 
     def cancel(self) -> None:
         if self._broken:
@@ -269,8 +275,11 @@ def test_a_request_whose_audio_cannot_be_shipped_fails_alone(caplog):
     engine_ends, (ends,) = open_pipes(1)
     shipper = Shipper()
     front = Front(0, engine_ends[0])
-    shipper.add("bad", _Chunks([np.ones(3, np.float32), np.ones((2, 2), np.float32)], broken=True), front)
-    shipper.add("good", _Chunks([np.ones(4, np.float32)]), front)
+    bad_audio, good_audio = _Chunks([np.ones(3, np.float32), np.ones((2, 2), np.float32)], broken=True), \
+        _Chunks([np.ones(4, np.float32)])
+    shipper.add("bad", bad_audio, front)
+    shipper.add("good", good_audio, front)
+    assert bad_audio.started and good_audio.started, "the engine works on a request from its arrival on"
     items = []
     deadline = time.monotonic() + 10
     while len(items) < 3 and ends.audio.poll(max(0.0, deadline - time.monotonic())):

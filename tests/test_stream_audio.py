@@ -339,10 +339,32 @@ def test_a_feed_that_wants_only_audio_is_not_woken_for_outputs_without_it(chat, 
         assert all(rounds) and not all(with_audio)
     else:
         assert not all(rounds) and all(with_audio) and sum(rounds) == len(deliveries)
-        assert len(notified) == len(deliveries) + 1  # and the end's
+        assert len(notified) == len(deliveries)  # the end comes with the last delivery's notify
         assert deliveries[-1].done == frozenset({"r"}) and deliveries[-1].outputs[-1].finished
     got = np.concatenate([x for d in deliveries for x in d.samples.get("r", [])])
     want = _at_once(chat, tokens, config)
+    assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [16, 40])
+def test_a_requests_last_audio_and_its_end_reach_a_nonblocking_reader_with_one_notify(chat, n):
+    """A reader that drains its feed when notified (the engine process's shipper, through ``take_ready``) finds
+    a request's last samples and the end of its audio together: one pass ships both, so the client hears the
+    end (and may send its next request) without waiting for the reader's next pass."""
+    from chattts_velocity.audio.pump import PENDING, take_ready
+    from chattts_velocity.engine import RequestStream
+
+    tokens = _tokens(chat, n, True, seed=3)
+    stream, passes = RequestStream(_Engine(), ["r"]), []
+    audio = chat.pipeline.samples(stream, use_decoder=True, notify=lambda: passes.append(take_ready(audio)))
+    assert next(audio) is PENDING  # the feed is open, nothing decoded yet
+    stream.deliver(_out("r", tokens, True, n), 0.0)
+    chat.pipeline.pump.wake()
+    assert passes, "the reader was never notified"
+    chunk, ended, failure = passes[-1]
+    assert ended and failure is None and chunk is not None and chunk.size > 0, passes
+    got = np.concatenate([p[0] for p in passes if p[0] is not None])
+    want = _at_once(chat, tokens, chat.pipeline.stream_config)
     assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
 
 

@@ -437,10 +437,11 @@ def test_streams_on_an_engine_slower_than_the_first_chunk_never_run_dry(chat, mo
     sends: list[tuple[float, dict]] = []
     send = Feed._send
 
-    def recorded(feed, item):
-        if hasattr(item, "samples"):
-            sends.append((clock.t, {rid: sum(x.size for x in s) for rid, s in item.samples.items()}))
-        send(feed, item)
+    def recorded(feed, *items):
+        for item in items:
+            if hasattr(item, "samples"):
+                sends.append((clock.t, {rid: sum(x.size for x in s) for rid, s in item.samples.items()}))
+        send(feed, *items)
 
     monkeypatch.setattr(Feed, "_send", recorded)
     p = chat.InferCodeParams(manual_seed=3, max_new_token=150, min_new_token=150, show_tqdm=False)

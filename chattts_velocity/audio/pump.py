@@ -180,9 +180,12 @@ class Feed:
         """A window of a request whose listener runs dry before ``horizon``."""
         return any((d := self.deadline(self.owner[w.stream])) is not None and d < horizon for w in windows)
 
-    def _send(self, item) -> None:
+    def _send(self, *items) -> None:
+        """Queue ``items`` in order, then call ``notify`` once: a reader woken by it finds them all (a request's
+        last samples and its feed's end go out together, not one reader's pass apart)."""
         if not self.closed:
-            self._out.put(item)
+            for item in items:
+                self._out.put(item)
             if self.notify is not None:
                 self.notify()
 
@@ -437,13 +440,14 @@ class AudioPump:
                 continue
             for (_, window), wav in zip(group, decoded, strict=True):
                 wavs[window] = wav
-        sends: list[tuple[Feed, object]] = []  # sent once decoded: a woken reader competes for the GIL
+        sends: list[tuple[Feed, list]] = []  # sent once decoded: a woken reader competes for the GIL
         now = self.clock()
         for feed, windows in taken:
             outputs, feed._outputs = feed._outputs, []
             if feed in failed:
-                sends.append((feed, failed[feed]))
+                sends.append((feed, [failed[feed]]))
                 continue
+            items = []
             delivery = Delivery(outputs)
             for window in windows:
                 rid = feed.owner[window.stream]
@@ -453,17 +457,19 @@ class AudioPump:
             delivery.done = frozenset(rid for rid, a in feed.audio.items() if a.done)
             if delivery.samples or (outputs and (feed.every_round or delivery.done
                                                  or any(out.finished for out in outputs))):
-                sends.append((feed, delivery))
+                items.append(delivery)
             else:  # (see ``Feed.every_round``) they go out with the feed's next delivery
                 feed._outputs = outputs
             if feed.stream.exhausted():
-                sends.append((feed, _END))
+                items.append(_END)
             elif feed.stream.has_outputs():  # it stopped before a failed request's output: take that next
                 self.mark(feed.stream)
-        for feed, item in sends:
-            if item is _END or isinstance(item, BaseException):
+            if items:
+                sends.append((feed, items))
+        for feed, items in sends:
+            if items[-1] is _END or isinstance(items[-1], BaseException):
                 self._forget(feed)
-            feed._send(item)
+            feed._send(*items)
 
     def _fail(self, feed: Feed, err: BaseException) -> None:
         feed._send(err)
