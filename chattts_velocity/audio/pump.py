@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..timeline import traced
 from .deadlines import BURST_CHUNKS, PLAYBACK_GUARD_S, Pace, deadline, safe_to_start
 from .decode import AudioDecoder
 from .stream import AudioStream, StreamConfig, Window, decode_windows
@@ -261,6 +262,7 @@ class AudioPump:
                 threading.Thread(target=self.wake, name="chattts-velocity-audio", daemon=True).start()
         return feed
 
+    @traced("audio decode", lambda a, k, r: {"windows": len(a[1])})
     def decode(self, windows: list[Window], use_decoder: bool) -> list[np.ndarray]:
         """Each window's (2W - 1) * 256 samples, in order (``decode_windows``): one call."""
         self.num_calls += 1
@@ -370,6 +372,7 @@ class AudioPump:
             if self._feeds.get(feed.stream) is feed:
                 del self._feeds[feed.stream]
 
+    @traced("audio round", lambda a, k, r: {"feeds": len(a[1]), "hurry": a[2], "took": r})
     def _round(self, feeds: list[Feed], hurry: bool) -> bool:
         """Take the feeds' news; decode and deliver what this round takes (see the class), the rest stays marked;
         False when it takes nothing (put off)."""
@@ -423,6 +426,7 @@ class AudioPump:
                 if ready[feed] and feed.stream in self._feeds:
                     self._deferred[feed.stream] = None
 
+    @traced("audio delivery", lambda a, k, r: {"feeds": len(a[1]), "windows": sum(len(w) for _, w in a[1])})
     def _deliver(self, taken: list[tuple[Feed, list[Window]]]) -> None:
         """Decode the feeds' windows (one call per decoder kind, ``decode_windows`` batching equal lengths) and
         send each feed its outputs, samples and end."""

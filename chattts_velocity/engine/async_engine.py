@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..device import device_wait_s
+from ..timeline import traced
 from .engine_config import EngineConfig
 from .llm_engine import EngineStats, LLMEngine
 from .request_stream import RequestStream, RequestTimes
@@ -310,6 +311,7 @@ class AsyncLLMEngine:
         self._thread_time[part + "_device_wait"] += waits - device
         return now, waits
 
+    @traced("hand over outputs", lambda a, k, r: {"outputs": len(a[1])})
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         with self._lock:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..device import wait_for
+from ..timeline import traced
 from .block_manager import BlockSpaceManager
 from .engine_config import EngineConfig
 from .model_runner import LaunchedStep, ModelRunner, OpenWindow
@@ -76,6 +77,16 @@ class EngineStats:
     thread_time: dict[str, float] | None = None
     """Seconds the engine thread has spent in each of ``timings.THREAD_PARTS`` since it began (set likewise):
     over an interval, whether the engine waited for the device (device-bound) or the device for the host."""
+
+
+def _describe_step(step: LaunchedStep | OpenWindow | None) -> dict | None:
+    """A launched step as a timeline span's arguments (``timeline.traced``)."""
+    if step is None:
+        return None
+    if isinstance(step, OpenWindow):
+        return {"kind": "open decode window", "planned steps": step.planned, "seqs": len(step.seqs)}
+    return {"kind": "decode window" if step.decode else "prompt step", "steps": step.num_steps,
+            "seqs": len(step.seqs)}
 
 
 class LLMEngine:
@@ -199,6 +210,7 @@ class LLMEngine:
         return bool(self.requests) or bool(self._aborted)
 
     # ---------------------------------------------------------------- the loop
+    @traced("engine step", lambda a, k, r: {"outputs": len(r)})
     def step(self) -> list[RequestOutput]:
         """Run one batch; report every request that sampled a token, finished or was aborted since.
 
@@ -232,6 +244,7 @@ class LLMEngine:
             yield
         wait_for(stream)
 
+    @traced("launch ahead", lambda a, k, r: {"launched": r})
     def launch_ahead(self, first_audio: bool | None = None) -> bool:
         """Launch the next step now, when nothing is queued and it brings sequences to their first audio
         (``Scheduler.before_first_audio``: prompts, a short first window): the device computes it while the
@@ -250,6 +263,7 @@ class LLMEngine:
             return True
         return self._window is not None
 
+    @traced("launch", lambda a, k, r: _describe_step(r))
     def _launch(self, may_open: bool = False) -> LaunchedStep | OpenWindow | None:
         """Schedule a step and launch it (None: nothing to run); ``may_open``: a decode window that may run open
         does (``_runs_open``)."""
@@ -388,6 +402,7 @@ class LLMEngine:
         sched = self.scheduler
         return self._num_added != self._open_mark and len(sched.running) < sched.max_num_seqs
 
+    @traced("queue next window", lambda a, k, r: _describe_step(r))
     def _continue(self, window: LaunchedStep) -> LaunchedStep | OpenWindow | None:
         """Queue the same batch's next window behind ``window`` when the scheduler grants it
         (``Scheduler.continue_window``: nothing can change the batch before it, and it reserved the blocks).

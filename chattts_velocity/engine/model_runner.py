@@ -25,6 +25,7 @@ from torch import Tensor
 from ..device import wait_for
 from ..kernels.linear import CpuWeight
 from ..model.llama import AttentionMetadata, LlamaCore
+from ..timeline import traced
 from .engine_config import EngineConfig
 from .multi_step import MultiStepDecoder
 from .prefill_graphs import PREFILL_SEQS, PREFILL_TOKENS, PaddedPrefill
@@ -218,11 +219,13 @@ class ModelRunner:
             done.record()
         return LaunchedStep(seqs, k, hidden, host, done, decode, started=started)
 
+    @traced("wait for the device")
     def wait(self, step: LaunchedStep) -> None:
         """Wait until the device has computed ``step`` (and copied its tokens to the host)."""
         if step.done is not None:
             wait_for(step.done)
 
+    @traced("read tokens", lambda a, k, r: {"steps": a[1].num_steps, "seqs": len(a[1].seqs)})
     def collect(self, step: LaunchedStep) -> np.ndarray:
         """Wait for ``step``; its tokens [num_seqs, num_steps, num_vq], tokens[i] the rows of sequence i (a view
         of the step's host buffer, read before that buffer's next use; hidden states: ``step.hidden``)."""

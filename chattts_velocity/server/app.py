@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..serving.client import EngineClient, EngineGoneError
 from ..serving.voices import UnknownVoiceError, read_sample
+from ..timeline import traced
 from .admission import Admission, QueueFullError
 from .errors import ApiKeyAuth, BodyLimit, install_error_handlers
 from .metrics import Metrics
@@ -120,6 +121,7 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, admissio
     return app
 
 
+@traced("prepare a speech request")
 async def _speech(state: SpeechState, body: SpeechRequest, path: str) -> Response:
     refusal = _refusal(state, body)
     if refusal is not None:

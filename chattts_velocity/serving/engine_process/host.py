@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ...engine.async_engine import STALL_S
+from ...timeline import traced
 from ..load import load_chat
 from ..local import LocalClient
 from .messages import (
@@ -172,6 +173,7 @@ class EngineHost:
             logger.exception("handling %s from front %d failed", type(msg).__name__, front.index)
 
     # ---------------------------------------------------------------- requests
+    @traced("request arrives", lambda a, k, r: {"prompts": len(a[2].prompts)})
     def _start(self, front: Front, msg: Start) -> None:
         """A request the front prepared and validated: its audio starts now. Should the engine refuse it all
         the same, its audio ends with the error (its headers are out)."""

@@ -20,6 +20,7 @@ import torch
 
 from ...engine import Prompt, SamplingParams
 from ...params import RefineTextParams
+from ...timeline import traced
 from ..client import EngineInfo
 from ..kit import SpeechKit
 from ..voices import Voice
@@ -199,6 +200,7 @@ class AudioBatch:
     items: list[AudioItem]
 
 
+@traced("ship audio", lambda a, k, r: {"items": len(a[1].items)})
 def send_audio(conn, batch: AudioBatch) -> None:
     """Send ``batch`` on an audio pipe (``recv_audio`` reads it): its chunks' samples out of band (pickle
     protocol 5), written from the arrays' own memory with the rest in one ``writev``, so the engine process
