@@ -268,6 +268,37 @@ class _Chunks:
             raise RuntimeError("cannot cancel")
 
 
+def test_the_shipper_reads_a_request_only_once_its_start_returned():
+    """``Shipper.add`` starts the request's audio before the shipper may read it: a chunk ready during ``start``
+    (its notify called from inside) waits for ``start`` to return, so a read never runs beside it."""
+    engine_ends, (ends,) = open_pipes(1)
+    shipper = Shipper()
+
+    class Slow(_Chunks):
+        def on_ready(self, notify) -> None:
+            self._notify = notify
+
+        def start(self) -> None:
+            self._notify()  # the first chunk is ready while start still runs
+            time.sleep(0.2)
+            self.started = True
+
+        def __next__(self):
+            self.read_before_started = getattr(self, "read_before_started", False) or not self.started
+            return super().__next__()
+
+    audio = Slow([np.ones(2, np.float32)])
+    shipper.add("r", audio, Front(0, engine_ends[0]))
+    items = []
+    deadline = time.monotonic() + 10
+    while len(items) < 2 and ends.audio.poll(max(0.0, deadline - time.monotonic())):
+        items += recv_audio(ends.audio).items
+    assert [item.chunk.tolist() if item.chunk is not None else None for item in items] == [[1.0, 1.0], None]
+    assert audio.started and not audio.read_before_started
+    ends.close()
+    engine_ends[0].close()
+
+
 def test_a_request_whose_audio_cannot_be_shipped_fails_alone(caplog):
     """The engine process's one shipper thread serves every front: a request it cannot ship (here chunks that
     do not join, and whose cancel raises as well) ends with the error, and the other request's audio still goes

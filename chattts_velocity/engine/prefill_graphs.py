@@ -20,8 +20,8 @@ logger = logging.getLogger(__name__)
 PREFILL_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)
 PREFILL_SEQS = (1, 4, 16, 64)
 """The buckets. A burst of requests (a server's clients starting together) prefills in steps of up to 64
-prompts: in steps of 16, each step's fixed host cost (its report, an audio round) came 16 times for 256
-prompts, while the device's work grows little with a step's prompts (docs/perf/serve.md)."""
+prompts: in steps of 16, each step's host cost (its launch, its report, an audio round) came 16 times for 256
+prompts (docs/perf/serve.md)."""
 
 
 class PaddedPrefill:

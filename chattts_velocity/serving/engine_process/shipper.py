@@ -48,14 +48,16 @@ class Shipper:
     def add(self, rid: str, audio: RequestAudio, front: Front) -> None:
         """Ship ``audio``'s chunks to ``front`` as they come. Its engine requests are submitted here, not at the
         shipper's first read of it: that read waits for the shipper's pass, which may be writing to a front
-        that is busy taking new requests (a burst of clients starting together) while the engine idles."""
+        that is busy taking new requests (a burst of clients starting together) while the engine idles. The
+        shipper sees the audio only once ``start`` returned: a read while it runs (woken by its first chunk)
+        would race it."""
         audio.on_ready(lambda: self._mark(rid))
-        with self._cond:
-            self._audio[rid] = audio, front
         try:
             audio.start()
         except Exception:  # noqa: BLE001 - the first read meets it again, and the request fails with it there
             pass
+        with self._cond:
+            self._audio[rid] = audio, front
         self._mark(rid)
 
     def cancel(self, rid: str) -> bool:
