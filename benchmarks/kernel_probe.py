@@ -261,12 +261,15 @@ def attention_probe(dtype) -> None:
 
 
 def attention_sweep(dtype) -> None:
-    """The decode kernel's tile and warp choices, unsplit, at the batches where it is bandwidth-bound."""
+    """The unsplit decode kernel's tile, warps and whether it loads a tile's values beside its keys, at batches
+    that fill the GPU, against what the dispatch picks (``now``); every cell checked against the reference."""
     from chattts_velocity.kernels._triton import decode_attention as dec
+    from chattts_velocity.kernels.attention import paged_decode_attention_ref
 
-    print("\n== decode kernel sweep (unsplit), us per layer call ==")
+    print("\n== decode kernel sweep (unsplit), us per layer call (GB/s of keys and values) ==")
     heads, dim, bs = 12, 64, 16
-    for batch, ctx in ((64, 286), (256, 286)):
+    for batch, ctx in ((64, 286), (80, 286), (96, 286), (112, 286), (128, 286), (256, 286), (96, 1000),
+                       (256, 1000)):
         nblk = -(-ctx // bs)
         caches = [(torch.randn(batch * nblk, bs, heads, dim, device="cuda", dtype=dtype),
                    torch.randn(batch * nblk, bs, heads, dim, device="cuda", dtype=dtype)) for _ in range(20)]
@@ -274,23 +277,32 @@ def attention_sweep(dtype) -> None:
         table = torch.randperm(batch * nblk, device="cuda").to(torch.int32).view(batch, nblk)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         out = torch.empty_like(q)
+        ref = paged_decode_attention_ref(q, *caches[0], table, lens, 0.125).float()
         bytes_ = batch * ctx * heads * dim * 2 * q.element_size()
+        now = graph_time(lambda: [kernels.paged_decode_attention(q, kc, vc, table, lens, 0.125)
+                                  for kc, vc in caches]) / 20 * 1e3
+        cells = {}
         for block_n in (16, 32, 64, 128):
-            for warps in (1, 2, 4, 8):
-                for stages in (1, 2, 3):
-                    def fn(block_n=block_n, warps=warps, stages=stages):
-                        for kc, vc in caches:
-                            dec._decode_kernel[(batch, heads, 1)](
-                                q, kc, vc, table, lens, out, out, out, 0.125 * dec._LOG2E, q.stride(0),
-                                q.stride(1), table.stride(0), nblk * bs, heads, 1, BLOCK_SIZE=bs, HEAD_DIM=dim,
-                                BLOCK_N=block_n, SPLIT=False, PDL=False, num_warps=warps, num_stages=stages)
+            for warps in (1, 2, 4):
+                for early in (False, True):
+                    def fn(kc, vc, block_n=block_n, warps=warps, early=early):
+                        dec._decode_kernel[(batch, heads, 1)](
+                            q, kc, vc, table, lens, out, out, out, 0.125 * dec._LOG2E, q.stride(0), q.stride(1),
+                            table.stride(0), nblk * bs, heads, 1, BLOCK_SIZE=bs, HEAD_DIM=dim, BLOCK_N=block_n,
+                            SPLIT=False, VALUES_EARLY=early, PDL=False, num_warps=warps)
+                        return out
                     try:
-                        us = graph_time(fn) / 20 * 1e3
+                        if (fn(*caches[0]).float() - ref).abs().max() > 1e-2:
+                            print("  wrong", batch, ctx, block_n, warps, early)
+                            continue
+                        cells[(block_n, warps, early)] = graph_time(
+                            lambda fn=fn: [fn(kc, vc) for kc, vc in caches]) / 20 * 1e3
                     except Exception as e:  # noqa: BLE001
-                        print("  fail", block_n, warps, stages, type(e).__name__)
-                        continue
-                    print(f"b={batch} ctx={ctx} BLOCK_N={block_n:3d} warps={warps} stages={stages} {us:7.2f} us "
-                          f"{bytes_ / us / 1e3:7.1f} GB/s", flush=True)
+                        print("  fail", block_n, warps, early, type(e).__name__)
+        top = sorted((v, c) for c, v in cells.items())[:4]
+        print(f"b={batch:3d} ctx={ctx:4d} now {now:6.2f} ({bytes_ / now / 1e3:4.0f}) | "
+              + ", ".join(f"{c[0]}/{c[1]}{' early' if c[2] else ''} {v:.2f} ({bytes_ / v / 1e3:.0f})"
+                          for v, c in top), flush=True)
 
 
 def attention_splits(dtype) -> None:
@@ -329,7 +341,8 @@ def attention_splits(dtype) -> None:
                 dec._decode_kernel[grid](q, kc, vc, table, lens, partial if split else out, maxes, sums,
                                          0.125 * dec._LOG2E, q.stride(0), q.stride(1), table.stride(0),
                                          block_n if split else table_tokens, heads, 1, BLOCK_SIZE=bs,
-                                         HEAD_DIM=dim, BLOCK_N=block_n, SPLIT=split, num_warps=4, **pdl)
+                                         HEAD_DIM=dim, BLOCK_N=block_n, SPLIT=split, VALUES_EARLY=False, num_warps=4,
+                                         **pdl)
                 if split:
                     dec._merge(partial, maxes, sums, out, lens, block_n, pdl)
                 return out

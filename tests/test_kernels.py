@@ -463,6 +463,8 @@ GPU_CASES = _cases(("fp32", "fp16", "bf16"), [
     _decode("b7_mixed_lens_auto_splits", _LENS, (12, 12), 64, 16),
     _decode("b7_mixed_lens_no_split", _LENS, (12, 12), 64, 16, num_splits=1),
     _decode("b256_random_lens", _RANDOM_LENS, (12, 12), 64, 16),
+    _decode("b96_random_lens_values_early_strided", _RANDOM_LENS[:96], (12, 12), 64, 16, strided=True),
+    _decode("b88_gqa_values_early", [1 + 23 * i for i in range(88)], (12, 4), 64, 16),
     _decode("b3_gqa_5_splits", [300, 1, 1777], (12, 4), 64, 16, num_splits=5),
     _decode("b16_auto_one_tile_splits", [1 + 125 * i for i in range(16)], (12, 12), 64, 16),
     _tile_splits("b7_true_lens", [1, 255, 256, 257, 513, 1999, 37], (12, 12), 64, 16, 256, "true"),
@@ -817,17 +819,20 @@ def test_one_or_two_rows_launched_early_merge_their_splits_in_the_kernel() -> No
 
 def test_the_decode_attention_splits_by_batch_and_gpu_size() -> None:
     """On a GPU of 132 SMs: 256-token splits on four warps while the batch has fewer than 2 (sequence, head)
-    pairs an SM, then one unsplit range a pair on wide one-warp tiles;
-    a given split count keeps 64-token tiles; the interpreter (0 SMs) runs 16-token tiles, unsplit."""
+    pairs an SM, then one unsplit range a pair on wide one-warp tiles, and from 8 pairs an SM on one-block
+    tiles that load their values beside their keys; a given split count keeps 64-token tiles; the interpreter
+    (0 SMs) runs 16-token tiles, unsplit with the values early."""
     from chattts_velocity.kernels._triton.decode_attention import split_plan
 
     table = 4096
-    assert split_plan(1, 12, table, None, 132) == (256, 4, 256)
-    assert split_plan(8, 12, table, None, 132) == (256, 4, 256)
-    assert split_plan(21, 12, table, None, 132) == (256, 4, 256)  # 252 pairs < 264
-    assert split_plan(22, 12, table, None, 132) == (128, 1, table)
-    assert split_plan(256, 12, table, None, 132) == (128, 1, table)
-    assert split_plan(8, 12, table, None, 16) == (128, 1, table)  # a small GPU is full sooner
-    assert split_plan(2, 12, table, 3, 132) == (64, 4, 1408)  # ceil(4096 / 3) up to a 64-token tile
-    assert split_plan(2, 4, 100, None, 0) == (16, 4, 100)
-    assert split_plan(2, 4, 100, 4, 0) == (16, 4, 32)
+    assert split_plan(1, 12, table, None, 132) == (256, 4, 256, False)
+    assert split_plan(8, 12, table, None, 132) == (256, 4, 256, False)
+    assert split_plan(21, 12, table, None, 132) == (256, 4, 256, False)  # 252 pairs < 264
+    assert split_plan(22, 12, table, None, 132) == (128, 1, table, False)
+    assert split_plan(87, 12, table, None, 132) == (128, 1, table, False)  # 1,044 pairs < 1,056
+    assert split_plan(88, 12, table, None, 132) == (16, 1, table, True)
+    assert split_plan(256, 12, table, None, 132) == (16, 1, table, True)
+    assert split_plan(8, 12, table, None, 16) == (128, 1, table, False)  # a small GPU is full sooner
+    assert split_plan(2, 12, table, 3, 132) == (64, 4, 1408, False)  # ceil(4096 / 3) up to a 64-token tile
+    assert split_plan(2, 4, 100, None, 0) == (16, 4, 100, True)
+    assert split_plan(2, 4, 100, 4, 0) == (16, 4, 32, False)

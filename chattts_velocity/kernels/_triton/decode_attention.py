@@ -29,6 +29,11 @@ _LOG2E = 1.4426950408889634
 # unsplit tiles at the longer contexts (`benchmarks/kernel_probe.py --parts attention_splits`; docs/perf/).
 _PROGRAMS_PER_SM = 2
 _SPLIT_TOKENS = 256
+# From this many (sequence, head) pairs per SM the unsplit kernel runs one-block tiles on one warp and loads
+# each tile's values beside its keys: small programs, many of them resident, each with a tile's keys and values
+# in flight, stream the cache faster than wide tiles where the GPU is full (at 128 and 256 sequences), and
+# slower where it is not (64) (`benchmarks/kernel_probe.py --parts attention_sweep`; docs/perf/engine.md).
+_SMALL_TILE_PAIRS_PER_SM = 8
 # Up to _TILE_SPLIT_ROWS sequences launched early (and given counters to merge with) the splitting kernel runs,
 # on _TILE_SPLIT (tile tokens, warps): in the engine's step it loads its keys and values while the q/k/v
 # projection runs and drops the merge launch; at 4 and 8 sequences (the next CUDA-graph buckets) the looping
@@ -42,7 +47,7 @@ _TILE_SPLIT = (128, 4)
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, max_ptr,
                    sum_ptr, qk_scale, q_stride_seq, q_stride_head, bt_stride, split_len, num_kv_heads, group,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, PDL: tl.constexpr):
+                   SPLIT: tl.constexpr, VALUES_EARLY: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched early (programmatic dependent launch): start the next kernel, wait for the last one
         gdc_launch_dependents()
         gdc_wait()
@@ -64,13 +69,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         valid = tokens < end
         offs = kv_offsets(bt_row, tokens, valid, kv_head_offset, num_kv_heads * HEAD_DIM, BLOCK_SIZE)
         offs = offs[:, None] + dims[None, :]  # [BLOCK_N, D]
-        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        scores = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # [BLOCK_N]
+        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        if VALUES_EARLY:  # in flight beside the keys (a small tile's registers allow it)
+            v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        scores = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))  # [BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new)
-        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        if not VALUES_EARLY:
+            v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
     if SPLIT:
@@ -200,24 +208,26 @@ def merges_in_kernel(batch: int, early: bool, split_len: int, max_context: int, 
 
 
 def split_plan(batch: int, num_heads: int, max_context: int, num_splits: int | None, sms: int
-               ) -> tuple[int, int, int]:
-    """(tile tokens, warps, split tokens) of the decode attention over a block table of ``max_context`` tokens:
-    ``num_splits`` given, that many splits of 64-token tiles; None, splits of one tile each where the batch has
-    too few (sequence, head) pairs for the ``sms`` SMs, else one unsplit range a pair. ``sms`` 0: the Triton
-    interpreter, whose small tiles let tiny test contexts still cross several of them."""
-    # (tile, warps): long unsplit ranges stream best in wide tiles on one warp, one-tile splits in
-    # _SPLIT_TOKENS-token tiles on four (`benchmarks/kernel_probe.py`; docs/perf/)
+               ) -> tuple[int, int, int, bool]:
+    """(tile tokens, warps, split tokens, values loaded beside the keys) of the decode attention over a block
+    table of ``max_context`` tokens: ``num_splits`` given, that many splits of 64-token tiles; None, splits of
+    one tile each where the batch has too few (sequence, head) pairs for the ``sms`` SMs, else one unsplit range
+    a pair. ``sms`` 0: the Triton interpreter, whose small tiles let tiny test contexts still cross several of
+    them (unsplit, it loads the values beside the keys)."""
+    # (tile, warps): long unsplit ranges stream best in wide tiles on one warp while the GPU is not full, in
+    # one-block tiles with the values early once it is, one-tile splits in _SPLIT_TOKENS-token tiles on four
+    # (`benchmarks/kernel_probe.py`; docs/perf/)
     block_n, num_warps = (64, 4) if sms else (16, 4)
     if num_splits is not None:
-        return block_n, num_warps, triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+        return block_n, num_warps, triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n, False
     # Too few pairs to fill the GPU: one KV tile per program. The grid covers the table width, so it suits every
     # context a CUDA graph replays it with; programs past a context return at once.
-    few = batch * num_heads < _PROGRAMS_PER_SM * sms
-    if few:
-        block_n = _SPLIT_TOKENS
-    elif sms:
-        block_n, num_warps = 128, 1
-    return block_n, num_warps, block_n if few else max_context
+    pairs = batch * num_heads
+    if pairs < _PROGRAMS_PER_SM * sms:
+        return _SPLIT_TOKENS, num_warps, _SPLIT_TOKENS, False
+    if pairs >= _SMALL_TILE_PAIRS_PER_SM * sms:
+        return (16, 1, max_context, True) if sms else (block_n, num_warps, max_context, True)
+    return 128, 1, max_context, False
 
 
 def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -228,7 +238,7 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     # The block table's width bounds every context without reading context_lens back from the GPU.
     max_context = max(block_tables.shape[1] * block_size, 1)
     sms = sm_count(q.device) if q.is_cuda else 0
-    block_n, num_warps, split_len = split_plan(batch, num_heads, max_context, num_splits, sms)
+    block_n, num_warps, split_len, values_early = split_plan(batch, num_heads, max_context, num_splits, sms)
     early = launches_early(batch)
     pdl = pdl_launch(q.device if early else False)
     if merges_in_kernel(batch, early, split_len, max_context, num_splits, split_counters is not None):
@@ -241,7 +251,8 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     _decode_kernel[(batch, num_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, maxes, sums, scale * _LOG2E, q.stride(0),
         q.stride(1), block_tables.stride(0), split_len, k_cache.shape[2], num_heads // k_cache.shape[2],
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, num_warps=num_warps, **pdl)
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, VALUES_EARLY=values_early,
+        num_warps=num_warps, **pdl)
     if split:
         _merge(partial, maxes, sums, out, context_lens, split_len, pdl)
     return out
