@@ -29,10 +29,11 @@ _LOG2E = 1.4426950408889634
 # unsplit tiles at the longer contexts (`benchmarks/kernel_probe.py --parts attention_splits`; docs/perf/).
 _PROGRAMS_PER_SM = 2
 _SPLIT_TOKENS = 256
-# From this many (sequence, head) pairs per SM the unsplit kernel runs one-block tiles on one warp and loads
-# each tile's values beside its keys: small programs, many of them resident, each with a tile's keys and values
-# in flight, stream the cache faster than wide tiles where the GPU is full (at 128 and 256 sequences), and
-# slower where it is not (64) (`benchmarks/kernel_probe.py --parts attention_sweep`; docs/perf/engine.md).
+# From this many (sequence, head) pairs per SM the unsplit kernel runs one-block tiles on one warp (loading each
+# tile's values beside its keys, which was as fast at 16 tokens and faster for 32-64-token tiles): small
+# programs, many of them resident, stream the cache faster than wide tiles where the GPU is full (at 128 and 256
+# sequences), and slower where it is not (64) (`benchmarks/kernel_probe.py --parts attention_sweep`;
+# docs/perf/engine.md).
 _SMALL_TILE_PAIRS_PER_SM = 8
 # Up to _TILE_SPLIT_ROWS sequences launched early (and given counters to merge with) the splitting kernel runs,
 # on _TILE_SPLIT (tile tokens, warps): in the engine's step it loads its keys and values while the q/k/v
