@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import functools
 import gc
 import inspect
@@ -51,6 +52,7 @@ class Timeline:
         self._lock = threading.Lock()
         self._written: Path | None = None
         self._gc_start: dict[int, float] = {}
+        self._inside = threading.local()  # .busy: this thread holds ``_lock`` (see ``gc_phase``)
 
     @property
     def full(self) -> bool:
@@ -59,7 +61,7 @@ class Timeline:
     def add(self, name: str, start_us: float, end_us: float, args: dict | None = None) -> None:
         """Record a span of the calling thread; the last one that fits writes the file."""
         thread = threading.current_thread()
-        with self._lock:
+        with self._locked():
             if self._written is not None or len(self._events) >= self.max_events:
                 return
             self._threads.setdefault(thread.ident, thread.name)
@@ -68,8 +70,22 @@ class Timeline:
         if full:
             self.write()
 
+    @contextlib.contextmanager
+    def _locked(self):
+        """``_lock``, with the thread marked as holding it: a collection that starts inside (any allocation may
+        start one) calls ``gc_phase`` on this thread, which must not wait for the lock it holds."""
+        with self._lock:
+            self._inside.busy = True
+            try:
+                yield
+            finally:
+                self._inside.busy = False
+
     def gc_phase(self, phase: str, info: dict) -> None:
-        """A ``gc.callbacks`` hook: each collection as a span."""
+        """A ``gc.callbacks`` hook: each collection as a span (not one that ran inside the timeline's own
+        bookkeeping, whose lock this thread holds)."""
+        if getattr(self._inside, "busy", False):
+            return
         ident = threading.get_ident()
         if phase == "start":
             self._gc_start[ident] = _now_us()
@@ -80,7 +96,7 @@ class Timeline:
     def write(self) -> Path | None:
         """Write the spans so far as a Chrome trace (once; later calls return the same path). None if no span
         was recorded."""
-        with self._lock:
+        with self._locked():
             if self._written is not None or not self._events:
                 return self._written
             pid = os.getpid()

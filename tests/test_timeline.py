@@ -86,6 +86,35 @@ def test_garbage_collections_are_spans(tmp_path):
     assert spans and spans[0]["name"] == "gc" and spans[0]["args"]["generation"] == 2
 
 
+def test_a_collection_inside_the_timelines_own_bookkeeping_does_not_hang_it(tmp_path):
+    """Any allocation may start a collection, whose callback runs on the allocating thread: one that starts
+    while the thread records a span (holding the timeline's lock) must not wait for that lock (it hung for
+    good before), and is left out; a collection outside is still a span."""
+    import gc
+    import threading
+
+    tl = Timeline(tmp_path, max_events=10)
+
+    class Collecting(list):
+        def append(self, item):
+            gc.collect()  # as a collection started by the span's own allocation
+            super().append(item)
+
+    tl._events = Collecting()
+    gc.callbacks.append(tl.gc_phase)
+    try:
+        thread = threading.Thread(target=tl.add, args=("span", 0.0, 1.0), daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "recording a span hung in the collector's callback"
+        tl._events = list(tl._events)
+        gc.collect()
+    finally:
+        gc.callbacks.remove(tl.gc_phase)
+    spans = [e for e in json.loads(tl.write().read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in spans] == ["span", "gc"]
+
+
 def test_a_bad_event_cap_is_refused():
     with pytest.raises(ValueError, match="max_events"):
         Timeline("unused", max_events=0)
