@@ -318,7 +318,7 @@ def attention_splits(dtype) -> None:
     print("\n== decode attention at small batches, us per call ==")
     heads, dim, bs, width = 12, 64, 16, 256
     table_tokens = width * bs
-    for batch in (1, 2, 4, 8, 12, 16, 21):
+    for batch in (1, 2, 4, 8, 12, 16, 21, 32, 48, 64, 80):
         pdl = pdl_launch(torch.device("cuda") if dec.launches_early(batch) else False)
         for ctx in (100, 286, 536, 1000):
             nblk = -(-ctx // bs)
@@ -331,13 +331,14 @@ def attention_splits(dtype) -> None:
             ref = paged_decode_attention_ref(q, *caches[0], table, lens, 0.125).float()
             counters = torch.zeros(batch * heads, dtype=torch.int32, device="cuda")
             out = torch.empty_like(q)
-            partial, maxes, sums = dec._partials(q, table_tokens // 256)
+            partials = {n: dec._partials(q, table_tokens // n) for n in (128, 256)}
 
             def tiles(kc, vc, block_n, warps):
                 return dec.tile_splits(q, kc, vc, table, lens, 0.125, block_n, warps, counters, lens, pdl)
 
             def looping(kc, vc, block_n=256, split=True):
                 grid = (batch, heads, table_tokens // block_n if split else 1)
+                partial, maxes, sums = partials[block_n]
                 dec._decode_kernel[grid](q, kc, vc, table, lens, partial if split else out, maxes, sums,
                                          0.125 * dec._LOG2E, q.stride(0), q.stride(1), table.stride(0),
                                          block_n if split else table_tokens, heads, 1, BLOCK_SIZE=bs,
@@ -350,7 +351,9 @@ def attention_splits(dtype) -> None:
             variants = {f"tiles {n}/{w}": lambda kc, vc, n=n, w=w: tiles(kc, vc, n, w)
                         for n, w in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8))}
             variants["loop 256 + merge"] = looping
+            variants["loop 128 + merge"] = lambda kc, vc: looping(kc, vc, block_n=128)
             variants["unsplit 256/4"] = lambda kc, vc: looping(kc, vc, split=False)
+            variants["now"] = lambda kc, vc: kernels.paged_decode_attention(q, kc, vc, table, lens, 0.125)
             cells = []
             for name, fn in variants.items():
                 wrong = (fn(*caches[0]).float() - ref).abs().max() > 1e-2
@@ -361,7 +364,9 @@ def attention_splits(dtype) -> None:
 
 def sampler_probe() -> None:
     """The fused sampler (penalty, temperature, top-p/top-k, EOS ban, the race) at the code head's vocabulary,
-    a 64-entry penalty history, ChatTTS's default settings: a CUDA graph of 20 calls, us per call."""
+    a 64-entry penalty history, ChatTTS's default settings: a CUDA graph of 20 calls, us per call; the default
+    warps and 1-8 warps a row, each checked against the default's ids."""
+    from chattts_velocity.kernels._triton.sampling import sample_rows_triton
     from chattts_velocity.kernels.sampling import sample_rows_fused
 
     print("\n== fused sampler, vocab 626, history 64, us per call ==")
@@ -377,7 +382,13 @@ def sampler_probe() -> None:
                 torch.arange(rows, device="cuda"), torch.full((rows,), 100, dtype=torch.int64, device="cuda"),
                 torch.arange(rows, device="cuda") % 4, 625)
         us = graph_time(lambda args=args: [sample_rows_fused(*args) for _ in range(20)]) / 20 * 1e3
-        print(f"rows={rows:5d} {us:7.2f} us", flush=True)
+        want = sample_rows_fused(*args)
+        line = f"rows={rows:5d} {us:7.2f} us | warps"
+        for warps in (1, 2, 4, 8):
+            same = torch.equal(sample_rows_triton(*args, num_warps=warps), want)
+            t = graph_time(lambda args=args, w=warps: [sample_rows_triton(*args, num_warps=w) for _ in range(20)])
+            line += f" {warps}: {t / 20 * 1e3:.2f}" + ("" if same else " (other ids)")
+        print(line, flush=True)
 
 
 def audio_probe() -> None:

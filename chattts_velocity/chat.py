@@ -113,7 +113,7 @@ class Chat(UpstreamAttributes):
              use_flash_attn: bool = False, use_vllm: bool = False, experimental: bool = False,
              enable_cache: bool = True, load_format: str = "safetensors", *, block_size: int = 16,
              num_kv_blocks: int | None = None, kv_cache_gib: float | None = None, max_num_seqs: int = 64,
-             max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+             max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens, enable_prefix_caching: bool = True,
              engine_dtype: str = "float32", max_window_tokens: int | None = None,
              open_window_max_seqs: int = 16, window_stops: tuple[int, ...] = EngineConfig.window_stops,
              window_budget_ms: float | None = EngineConfig.window_budget_ms,

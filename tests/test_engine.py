@@ -548,6 +548,31 @@ def test_step_reports_each_new_token_incrementally(chat, make_engine, window):
     assert torch.equal(torch.cat(hidden), final.hidden_states)
 
 
+def test_sequences_finishing_together_get_their_hidden_states_gathered_at_once(chat, make_engine):
+    """A batch that ran together and finishes in one step gets its whole hidden states gathered together (views
+    of one tensor); each equals what its reports gave piece by piece, a later arrival's and an early stop's too."""
+    engine = make_engine(num_decode_steps=4)
+    lengths = {"a": 10, "b": 10, "c": 10, "short": 9}
+    for rid, n in lengths.items():
+        engine.add_request(rid, code_prompt(chat, f"together {rid}"), params(min_new_tokens=n, max_new_tokens=n))
+    pieces, final = {}, {}
+    first = True
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.setdefault(out.request_id, []).append(out.new_hidden_states)
+            if out.finished:
+                final[out.request_id] = out
+        if first:
+            engine.add_request("late", code_prompt(chat, "late"), params(min_new_tokens=6, max_new_tokens=6))
+            first = False
+    assert set(final) == {*lengths, "late"}
+    for rid, out in final.items():
+        assert out.hidden_states.shape == (out.num_generated, chat.model.config.hidden_size)
+        assert torch.equal(torch.cat(pieces[rid]), out.hidden_states), rid
+    storage = {rid: final[rid].hidden_states.untyped_storage().data_ptr() for rid in ("a", "b", "c")}
+    assert len(set(storage.values())) == 1  # gathered together, not one concatenation each
+
+
 @pytest.mark.parametrize("window", [1, 8])
 def test_abort_mid_generation_frees_every_block(chat, make_engine, window):
     engine = make_engine(block_size=4, num_decode_steps=window, pipeline_decode=window > 1,  # aborts in flight

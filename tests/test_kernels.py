@@ -830,7 +830,9 @@ def test_the_decode_attention_splits_by_batch_and_gpu_size() -> None:
     assert split_plan(21, 12, table, None, 132) == (256, 4, 256, False)  # 252 pairs < 264
     assert split_plan(22, 12, table, None, 132) == (128, 1, table, False)
     assert split_plan(87, 12, table, None, 132) == (128, 1, table, False)  # 1,044 pairs < 1,056
-    assert split_plan(88, 12, table, None, 132) == (16, 1, table, True)
+    assert split_plan(88, 12, table, None, 132) == (32, 1, table, True)
+    assert split_plan(175, 12, table, None, 132) == (32, 1, table, True)  # 2,100 pairs < 2,112
+    assert split_plan(176, 12, table, None, 132) == (16, 1, table, True)
     assert split_plan(256, 12, table, None, 132) == (16, 1, table, True)
     assert split_plan(8, 12, table, None, 16) == (128, 1, table, False)  # a small GPU is full sooner
     assert split_plan(2, 12, table, 3, 132) == (64, 4, 1408, False)  # ceil(4096 / 3) up to a 64-token tile

@@ -135,3 +135,43 @@ def test_triton_race_draws_the_reference_ids_on_gpu():
     ref = exponential_race_ref(probs, seed, step, lane)
     gpu = exponential_race(probs.cuda(), seed.cuda(), step.cuda(), lane.cuda()).cpu()
     assert (ref == gpu).float().mean().item() >= 0.999  # log/divide may differ by an ulp on a near-tie
+
+
+def test_a_split_code_head_gives_the_float32_logits_of_float16_rows():
+    """The code head as float16 hi + scaled lo rows: a float16 core's output times it, summed in float32 (here
+    emulated in float32 on the CPU, as the float16 tensor cores with float32 sums compute it), equals the float32
+    product to float32's own rounding, for heads of the weight norm's magnitudes (small rows included, whose
+    low halves would be float16 subnormals unscaled); float16 rounding of the head alone is hundreds of times
+    further off."""
+    from chattts_velocity.engine.sampler import split_head, split_logits
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(2504, 768, generator=gen) * torch.logspace(-4, 0, 2504)[:, None]
+    half = (torch.randn(64, 768, generator=gen) * 3).half()
+    split = split_head(weight)
+    assert split.dtype == torch.float16 and split.shape == (5008, 768)
+    exact = half.double() @ weight.double().T
+    scale = half.double().abs() @ weight.double().abs().T
+    got = split_logits(half, split)
+    assert got.dtype == torch.float32 and got.shape == (64, 2504)
+    assert ((got.double() - exact).abs() / scale).max() < 2e-7
+    float32 = half.float() @ weight.T
+    assert ((float32.double() - exact).abs() / scale).max() < 2e-7
+    rounded = half.float() @ weight.half().float().T
+    assert ((rounded.double() - exact).abs() / scale).max() > 2e-5
+
+
+def test_the_code_head_is_split_only_for_a_float16_core_on_cuda():
+    from chattts_velocity.engine.sampler import Sampler
+
+    class Embed:
+        def code_head_matrix(self):
+            return torch.randn(8, 4)
+
+        def text_head_matrix(self):
+            return torch.randn(5, 4)
+
+    assert Sampler(Embed(), 2, 0, 0, half_core=True).code_head_split is None  # (on the CPU)
+    hidden = torch.randn(3, 4)
+    sampler = Sampler(Embed(), 2, 0, 0)
+    torch.testing.assert_close(sampler.code_logits(hidden, hidden.half()), (hidden @ sampler.code_head.T).view(6, 4))

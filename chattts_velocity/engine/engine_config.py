@@ -29,8 +29,9 @@ class EngineConfig:
     ``model_runner.CPU_KV_GIB`` on CPU (never more than ``max_num_seqs`` full contexts need)."""
     max_num_seqs: int = 64
     """Sequences decoded together (running at once)."""
-    max_num_batched_tokens: int = 2048
-    """Tokens computed per step; longer prompts are prefilled in chunks of at most this many."""
+    max_num_batched_tokens: int = 8192
+    """Tokens computed per step (a step of prompts takes as many prompts as fit, up to 256 on CUDA); longer
+    prompts are prefilled in chunks of at most this many."""
     enable_prefix_caching: bool = True
     """Share the KV of equal prompt prefixes (same ids, text/audio layout and speaker) between requests."""
     watermark: float = 0.01

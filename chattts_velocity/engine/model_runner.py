@@ -99,7 +99,8 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(config, gcfg, device)
         self.kv_caches = _allocate_kv(self.num_blocks, config, gcfg, device)
         if weights is None:
-            self.sampler = Sampler(gpt.embed, gcfg.num_vq, gcfg.eos_code, text_eos_id)
+            self.sampler = Sampler(gpt.embed, gcfg.num_vq, gcfg.eos_code, text_eos_id,
+                                   half_core=dtype == torch.float16)
         else:
             self.sampler = CpuHeadSampler(gpt.embed, gcfg.num_vq, gcfg.eos_code, text_eos_id, weights)
         use_graphs = device.type == "cuda" and not config.enforce_eager
@@ -239,43 +240,43 @@ class ModelRunner:
         engine thread lets go of the GIL and waits to take it back from a busy server's other threads, and a
         boolean mask or a pageable copy would also wait for the device."""
         bs, spk = self.block_size, self.spk_emb_id
-        ids, positions, slots, cu, ctx, last_rows = [], [], [], [0], [], []
-        text_rows, code_rows, spk_rows, speakers = [], [], [], []
-        row = 0
-        for item in scheduled:
+        num = len(scheduled)
+        ids, positions, slots, text, cu, ctx, last_rows, speakers_at = [], [], [], [], [0], [], [], []
+        width = max(len(item.seq.block_table) for item in scheduled)
+        tables = np.zeros((num, width), dtype=np.int32)
+        # numpy a sequence at a time, nothing a token: a step of 256 prompts has ~10,000 tokens
+        for i, item in enumerate(scheduled):
             seq, start = item.seq, item.start
             end = start + item.num_new_tokens
-            tokens = seq.tokens.rows(start, end)
-            ids.append(tokens)
-            firsts = tokens[:, 0].tolist()
-            for j, text in enumerate(seq.is_text[start:end]):
-                if not text:
-                    code_rows.append(row + j)
-                    continue
-                text_rows.append(row + j)
-                if seq.speaker is not None and firsts[j] == spk:
-                    spk_rows.append(row + j)
-                    speakers.append(seq.speaker)
-            row += end - start
-            positions += range(start, end)
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            tables[i, : len(table)] = table
+            pos = np.arange(start, end)
+            ids.append(seq.tokens.rows(start, end))
+            positions.append(pos)
+            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            text.append(np.asarray(seq.is_text[start:end], dtype=bool))
+            if seq.speaker is not None:
+                speakers_at.append((cu[-1], end - start, seq.speaker))
             cu.append(cu[-1] + item.num_new_tokens)
             ctx.append(end)
             if item.samples:
                 last_rows.append(cu[-1] - 1)
-        width = max(len(s.seq.block_table) for s in scheduled)
-        tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in scheduled]
-        ids = np.concatenate(ids)
+        ids, text = np.concatenate(ids), np.concatenate(text)
+        text_rows, code_rows = np.flatnonzero(text), np.flatnonzero(~text)
+        spk_rows, speakers = [], []
+        for row, length, speaker in speakers_at:  # ``[spk_emb]`` text positions of the sequences with a speaker
+            found = row + np.flatnonzero(text[row : row + length] & (ids[row : row + length, 0] == spk))
+            spk_rows += found.tolist()
+            speakers += [speaker] * len(found)
         n, q = ids.shape
-        wide = self._to_device(np.concatenate([ids.reshape(-1), np.array(
-            positions + slots + last_rows + text_rows + code_rows + spk_rows, dtype=np.int64)]))
-        narrow = self._to_device(np.array(cu + ctx + [t for row in tables for t in row], dtype=np.int32))
+        wide = self._to_device(np.concatenate([ids.reshape(-1), *positions, *slots, np.array(last_rows, np.int64),
+                                               text_rows, code_rows, np.array(spk_rows, np.int64)]).astype(np.int64))
+        narrow = self._to_device(np.concatenate([np.array(cu + ctx, np.int32), tables.reshape(-1)]))
         ids_t, wide = wide[: n * q].view(n, q), wide[n * q :]
         parts = wide.split([n, n, len(last_rows), len(text_rows), len(code_rows), len(spk_rows)])
-        cu_t, ctx_t, tables_t = narrow.split([len(cu), len(ctx), len(tables) * width])
+        cu_t, ctx_t, tables_t = narrow.split([len(cu), len(ctx), num * width])
         meta = AttentionMetadata(positions=parts[0], slot_mapping=parts[1], cu_seqlens_q=cu_t, context_lens=ctx_t,
-                                 block_tables=tables_t.view(len(tables), width), decode_only=cu[-1] == len(scheduled))
+                                 block_tables=tables_t.view(num, width), decode_only=cu[-1] == num)
         speakers_t = None
         if speakers:
             speakers_t = torch.stack(speakers)
@@ -309,7 +310,7 @@ class CpuHeadSampler(Sampler):
         self.code_head = CpuWeight(self.code_head, weights)  # [Q * V, H]
         self.text_head = CpuWeight(self.text_head, weights)  # [V_text, H]
 
-    def code_logits(self, hidden: Tensor) -> Tensor:
+    def code_logits(self, hidden: Tensor, half: Tensor | None = None) -> Tensor:
         return self.code_head(hidden).view(hidden.size(0) * self.num_vq, -1)
 
     def text_logits(self, hidden: Tensor) -> Tensor:

@@ -114,7 +114,8 @@ class MultiStepDecoder:
         meta = AttentionMetadata(positions=rope_pos, slot_mapping=slots, cu_seqlens_q=s.positions[:0],
                                  context_lens=context_lens, block_tables=s.block_tables[:b], decode_only=True,
                                  split_counters=s.split_counters)
-        hidden = self.core.forward(emb, meta, self.kv_caches).float()  # [b, H]
+        out = self.core.forward(emb, meta, self.kv_caches)
+        hidden = out.float()  # [b, H]
         if text:
             tok = sample_rows(self.sampler.text_logits(hidden), p.rows(rows), self.sampler.text_eos)  # [b]
             step_tokens = tok[:, None].expand(b, q)
@@ -122,7 +123,7 @@ class MultiStepDecoder:
             if b == 1 and hidden.is_cuda:  # the one-row GEMV (a few columns a program) beats cuBLAS's gemv there
                 logits = kernels.fused_linear(hidden, self.sampler.code_head).view(q, -1)
             else:
-                logits = self.sampler.code_logits(hidden)  # [b*Q, V]
+                logits = self.sampler.code_logits(hidden, out if out.dtype == torch.float16 else None)  # [b*Q, V]
             tok = sample_rows(logits, p.rows(rows), self.eos)  # [b*Q]
             step_tokens = tok.view(b, q)
         kernels.step_outputs(step_tokens, tok, hidden, s.out_tokens, s.out_hidden, s.step_out, s.tokens,

@@ -17,11 +17,11 @@ from ..model.llama import AttentionMetadata, LlamaCore
 
 logger = logging.getLogger(__name__)
 
-PREFILL_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)
-PREFILL_SEQS = (1, 4, 16, 64)
-"""The buckets. A burst of requests (a server's clients starting together) prefills in steps of up to 64
-prompts: in steps of 16, each step's host cost (its launch, its report, an audio round) came 16 times for 256
-prompts (docs/perf/serve.md)."""
+PREFILL_TOKENS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+PREFILL_SEQS = (1, 4, 16, 64, 256)
+"""The buckets. A burst of requests (a server's clients starting together, a batch of ``chat.infer``) prefills
+in steps of up to 256 prompts: each step's host cost (its inputs, its launch, its report, an audio round) comes
+once a step, and in steps of 64 it came four times for 256 prompts (docs/perf/)."""
 
 
 class PaddedPrefill:

@@ -77,6 +77,39 @@ def row_params(seqs: list[Sequence], lanes: int, num_vq: int, width: int) -> Row
     )
 
 
+LOW_SCALE = 2048.0
+"""The low half of a split head is stored times this (2 ** 11, float16's mantissa), so that it stays in
+float16's normal range; its product is scaled back exactly."""
+
+
+def split_head(weight: Tensor) -> Tensor:
+    """[N, K] float32 -> [2N, K] float16: the weight rounded to float16, then its rounding error times
+    ``LOW_SCALE``. hi + lo / LOW_SCALE holds about 22 of float32's 24 mantissa bits."""
+    hi = weight.half()
+    lo = ((weight - hi.float()) * LOW_SCALE).half()
+    return torch.cat([hi, lo])
+
+
+def split_logits(half: Tensor, split: Tensor) -> Tensor:
+    """[M, K] float16 rows times a ``split_head`` [2N, K] -> [M, N] float32: one float16 GEMM with float32
+    sums and output (each product of two float16 values is exact in float32), then hi + lo / LOW_SCALE."""
+    n = split.size(0) // 2
+    y = torch.mm(half, split.T, out_dtype=torch.float32) if half.is_cuda else half.float() @ split.float().T
+    return torch.add(y[:, :n], y[:, n:], alpha=1.0 / LOW_SCALE)
+
+
+def _half_mm_to_float32(device: torch.device) -> bool:
+    """Whether this torch multiplies float16 matrices into a float32 result on ``device`` (``torch.mm``'s
+    ``out_dtype``, on CUDA)."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(2, 2, dtype=torch.float16, device=device)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
 def sample_rows(logits: Tensor, p: RowParams, eos_id: int) -> Tensor:
     """[R, V] float32 logits -> [R] sampled ids: the whole chain in one fused launch on Triton."""
     return sample_rows_fused(logits, **vars(p), eos_id=eos_id)
@@ -85,7 +118,7 @@ def sample_rows(logits: Tensor, p: RowParams, eos_id: int) -> Tensor:
 class Sampler:
     """Samples the next token of every sequence that reached its last position, code and text mode mixed."""
 
-    def __init__(self, embed, num_vq: int, code_eos: int, text_eos: int):
+    def __init__(self, embed, num_vq: int, code_eos: int, text_eos: int, half_core: bool = False):
         self.embed = embed
         self.num_vq = num_vq
         self.code_eos = code_eos
@@ -93,9 +126,18 @@ class Sampler:
         with torch.inference_mode():
             self.code_head = embed.code_head_matrix()  # [Q * V, H] float32: one GEMM for the 4 heads
             self.text_head = embed.text_head_matrix()  # [V_text, H] float32: no weight norm per step
+            self.code_head_split = split_head(self.code_head) if half_core and _half_mm_to_float32(
+                self.code_head.device) else None
+            """``split_head`` of the code head where the core computes in float16 on CUDA (``code_logits``'s
+            ``half``), else None."""
 
-    def code_logits(self, hidden: Tensor) -> Tensor:
-        """[S, H] float32 -> [S*Q, V] audio logits, rows ordered (sequence, codebook)."""
+    def code_logits(self, hidden: Tensor, half: Tensor | None = None) -> Tensor:
+        """[S, H] float32 -> [S*Q, V] audio logits, rows ordered (sequence, codebook). ``half``: the same rows in
+        float16 (a float16 core's output, of which ``hidden`` is the exact float32 copy): where the code head
+        is split (``split_head``), the product runs on float16 tensor cores with float32 sums (the weight kept
+        to about 22 of float32's 24 mantissa bits)."""
+        if half is not None and self.code_head_split is not None:
+            return split_logits(half, self.code_head_split).view(hidden.size(0) * self.num_vq, -1)
         return (hidden @ self.code_head.T).view(hidden.size(0) * self.num_vq, -1)
 
     def text_logits(self, hidden: Tensor) -> Tensor:

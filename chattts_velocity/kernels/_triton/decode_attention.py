@@ -35,6 +35,9 @@ _SPLIT_TOKENS = 256
 # sequences), and slower where it is not (64) (`benchmarks/kernel_probe.py --parts attention_sweep`;
 # docs/perf/engine.md).
 _SMALL_TILE_PAIRS_PER_SM = 8
+_BLOCK_TILE_PAIRS_PER_SM = 16
+# ... and from this many, one-block (16-token) tiles rather than 32-token ones (96 to 128 sequences: 32 tokens
+# faster, 256: 16)
 # Up to _TILE_SPLIT_ROWS sequences launched early (and given counters to merge with) the splitting kernel runs,
 # on _TILE_SPLIT (tile tokens, warps): in the engine's step it loads its keys and values while the q/k/v
 # projection runs and drops the merge launch; at 4 and 8 sequences (the next CUDA-graph buckets) the looping
@@ -227,7 +230,9 @@ def split_plan(batch: int, num_heads: int, max_context: int, num_splits: int | N
     if pairs < _PROGRAMS_PER_SM * sms:
         return _SPLIT_TOKENS, num_warps, _SPLIT_TOKENS, False
     if pairs >= _SMALL_TILE_PAIRS_PER_SM * sms:
-        return (16, 1, max_context, True) if sms else (block_n, num_warps, max_context, True)
+        if not sms:
+            return block_n, num_warps, max_context, True
+        return 16 if pairs >= _BLOCK_TILE_PAIRS_PER_SM * sms else 32, 1, max_context, True
     return 128, 1, max_context, False
 
 

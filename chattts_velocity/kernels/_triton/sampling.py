@@ -121,12 +121,13 @@ def _sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, penalty_pt
 
 def sample_rows_triton(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, penalty: Tensor,
                        history: Tensor, window: Tensor, min_new: Tensor, seed: Tensor, step: Tensor, lane: Tensor,
-                       eos_id: int) -> Tensor:
+                       eos_id: int, num_warps: int | None = None) -> Tensor:
+    """``num_warps`` overrides the default (for tuning)."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     block = triton.next_power_of_2(vocab)
     # twice the usual warps: the sort's stages are the cost (measured with `chattts-velocity bench`; docs/perf/)
     _sample_kernel[(rows,)](logits, temperature, top_p, top_k, penalty, history, window, min_new, seed, step, lane,
                             out, logits.stride(0), eos_id, VOCAB=vocab, BLOCK=block, WIDTH=history.size(1),
-                            KEEP=MIN_TOKENS_TO_KEEP, num_warps=num_warps_for(2 * block))
+                            KEEP=MIN_TOKENS_TO_KEEP, num_warps=num_warps or num_warps_for(2 * block))
     return out
