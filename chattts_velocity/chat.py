@@ -113,7 +113,7 @@ class Chat(UpstreamAttributes):
              use_flash_attn: bool = False, use_vllm: bool = False, experimental: bool = False,
              enable_cache: bool = True, load_format: str = "safetensors", *, block_size: int = 16,
              num_kv_blocks: int | None = None, kv_cache_gib: float | None = None, max_num_seqs: int = 64,
-             max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens, enable_prefix_caching: bool = True,
+             max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
              engine_dtype: str = "float32", max_window_tokens: int | None = None,
              open_window_max_seqs: int = 16, window_stops: tuple[int, ...] = EngineConfig.window_stops,
              window_budget_ms: float | None = EngineConfig.window_budget_ms,
@@ -124,7 +124,7 @@ class Chat(UpstreamAttributes):
         Engine settings (see ``EngineConfig``): ``block_size`` tokens per KV block; the KV cache as
         ``num_kv_blocks`` blocks or ``kv_cache_gib`` GiB (default: 40% of free GPU memory, 1 GiB on CPU);
         ``max_num_seqs`` sequences decoded together; ``max_num_batched_tokens`` tokens per step (longer prompts
-        are prefilled in chunks); ``enable_prefix_caching``; ``engine_dtype`` of the Llama core;
+        are prefilled in chunks; default 8,192 on CUDA, 2,048 on CPU); ``enable_prefix_caching``; ``engine_dtype`` of the Llama core;
         ``max_window_tokens`` caps a decode window's steps x sequences (shorter waits for arriving requests);
         a window of at most ``open_window_max_seqs`` sequences ends early for a request that arrives (0: never);
         ``window_stops`` where a young stream's decode windows end (its first chunks); ``window_budget_ms`` the

@@ -548,6 +548,17 @@ def test_step_reports_each_new_token_incrementally(chat, make_engine, window):
     assert torch.equal(torch.cat(hidden), final.hidden_states)
 
 
+def test_tokens_a_step_default_by_device_and_are_checked(chat, make_engine):
+    """``max_num_batched_tokens``: None takes the CPU's default (prompts share a step with running decodes
+    there, so a long one stays short); a given value is kept; zero is refused."""
+    from chattts_velocity.engine.llm_engine import CPU_BATCHED_TOKENS
+
+    assert make_engine().scheduler.max_num_batched_tokens == CPU_BATCHED_TOKENS
+    assert make_engine(max_num_batched_tokens=96).scheduler.max_num_batched_tokens == 96
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
 def test_sequences_finishing_together_get_their_hidden_states_gathered_at_once(chat, make_engine):
     """A batch that ran together and finishes in one step gets its whole hidden states gathered together (views
     of one tensor); each equals what its reports gave piece by piece, a later arrival's and an early stop's too."""

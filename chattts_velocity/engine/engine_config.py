@@ -29,9 +29,10 @@ class EngineConfig:
     ``model_runner.CPU_KV_GIB`` on CPU (never more than ``max_num_seqs`` full contexts need)."""
     max_num_seqs: int = 64
     """Sequences decoded together (running at once)."""
-    max_num_batched_tokens: int = 8192
-    """Tokens computed per step (a step of prompts takes as many prompts as fit, up to 256 on CUDA); longer
-    prompts are prefilled in chunks of at most this many."""
+    max_num_batched_tokens: int | None = None
+    """Tokens computed per step; longer prompts are prefilled in chunks of at most this many. None: 8,192 on
+    CUDA (where a step of prompts runs alone, up to 256 of them), 2,048 on the CPU (where prompts share a step
+    with the running decodes, which wait for it)."""
     enable_prefix_caching: bool = True
     """Share the KV of equal prompt prefixes (same ids, text/audio layout and speaker) between requests."""
     watermark: float = 0.01
@@ -114,7 +115,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is not None:
+            _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("num_decode_steps", self.num_decode_steps)
         if self.max_decode_steps is not None:
             _positive("max_decode_steps", self.max_decode_steps)

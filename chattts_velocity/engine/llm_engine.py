@@ -25,6 +25,7 @@ from ..timeline import traced
 from .block_manager import BlockSpaceManager
 from .engine_config import EngineConfig
 from .model_runner import LaunchedStep, ModelRunner, OpenWindow
+from .prefill_graphs import PREFILL_TOKENS
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, first_eos
 from .sequence import FinishReason, Prompt, RequestOutput, Sequence, gather_hidden
@@ -32,6 +33,9 @@ from .timings import Timings
 from .validation import check_prompt, float32_host, validate_request
 
 logger = logging.getLogger(__name__)
+
+CPU_BATCHED_TOKENS = 2048
+"""``EngineConfig.max_num_batched_tokens``'s default on the CPU (on CUDA: the prefill graphs' most tokens)."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,8 @@ class LLMEngine:
         cuda = self.runner.device.type == "cuda"
         prefill_first = cuda if config.prefill_first is None else config.prefill_first
         seqs, tokens = self.runner.prefill_limits() if prefill_first else (None, None)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        batched_tokens = config.max_num_batched_tokens or (PREFILL_TOKENS[-1] if cuda else CPU_BATCHED_TOKENS)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched_tokens,
                                    config.num_decode_steps, config.window_stops, config.max_window_tokens,
                                    prefill_first, seqs, tokens, config.window_stop_budget_ms,
                                    config.window_budget_ms, config.decode_steps_cap)
