@@ -548,6 +548,73 @@ def test_step_reports_each_new_token_incrementally(chat, make_engine, window):
     assert torch.equal(torch.cat(hidden), final.hidden_states)
 
 
+def _token_by_token(runner, scheduled) -> dict:
+    """What ``ModelRunner._prepare`` must give, built one token at a time."""
+    want = {k: [] for k in ("ids", "pos", "slots", "text", "code", "spk", "speakers", "last", "cu", "ctx")}
+    bs, row = runner.block_size, 0
+    want["cu"].append(0)
+    for item in scheduled:
+        seq = item.seq
+        for p in range(item.start, item.start + item.num_new_tokens):
+            token = seq.tokens[p]
+            want["ids"].append(list(token))
+            want["pos"].append(p)
+            want["slots"].append(seq.block_table[p // bs] * bs + p % bs)
+            if seq.is_text[p]:
+                want["text"].append(row)
+                if seq.speaker is not None and token[0] == runner.spk_emb_id:
+                    want["spk"].append(row)
+                    want["speakers"].append(seq.speaker)
+            else:
+                want["code"].append(row)
+            row += 1
+        want["cu"].append(row)
+        want["ctx"].append(item.start + item.num_new_tokens)
+        if item.samples:
+            want["last"].append(row - 1)
+    return want
+
+
+def test_a_prompt_steps_inputs_equal_a_token_by_token_build(chat, make_engine, workload):
+    """``ModelRunner._prepare`` (numpy a sequence at a time) gives what a loop over every token gives: ids,
+    positions, KV slots, bounds, block tables, the sampled rows, the text / audio / ``[spk_emb]`` rows and the
+    speaker vectors; over prompts with and without speakers, in chunks, after a prefix-cache hit."""
+    prompts, ps = workload
+    engine = make_engine(max_num_batched_tokens=40, block_size=4)
+    runner, prepare, checked, errors = engine.runner, engine.runner._prepare, [], []
+
+    def checking(scheduled):  # (the engine would take a failed check for a failed step: kept to assert after)
+        try:
+            return compare(scheduled)
+        except AssertionError as err:
+            errors.append(err)
+            raise
+
+    def compare(scheduled):
+        out = prepare(scheduled)
+        ids, meta, last_rows, (text_rows, code_rows, spk_rows, speakers) = out
+        want = _token_by_token(runner, scheduled)
+        assert ids.tolist() == want["ids"] and last_rows.tolist() == want["last"]
+        assert meta.positions.tolist() == want["pos"] and meta.slot_mapping.tolist() == want["slots"]
+        assert meta.cu_seqlens_q.tolist() == want["cu"] and meta.context_lens.tolist() == want["ctx"]
+        for table, item in zip(meta.block_tables.tolist(), scheduled, strict=True):
+            assert table[: len(item.seq.block_table)] == item.seq.block_table
+            assert not any(table[len(item.seq.block_table):])
+        assert (text_rows.tolist(), code_rows.tolist(), spk_rows.tolist()) == (want["text"], want["code"], want["spk"])
+        assert (speakers is None) == (not want["speakers"])
+        if speakers is not None:
+            assert torch.equal(speakers, torch.stack(want["speakers"]))
+        checked.append((len(scheduled), len(want["spk"]), min(item.start for item in scheduled)))
+        return out
+
+    runner._prepare = checking
+    run(engine, prompts, ps)
+    run(engine, prompts[:1], ps[:1])  # a prompt the prefix cache holds: its step starts past the hit
+    assert not errors, errors[0]
+    assert any(spk for _, spk, _ in checked) and any(start > 0 for _, _, start in checked), checked
+    assert max(n for n, _, _ in checked) > 1
+
+
 def test_tokens_a_step_default_by_device_and_are_checked(chat, make_engine):
     """``max_num_batched_tokens``: None takes the CPU's default (prompts share a step with running decodes
     there, so a long one stays short); a given value is kept; zero is refused."""
