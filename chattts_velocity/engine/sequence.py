@@ -191,8 +191,8 @@ class Sequence:
 
 def gather_hidden(seqs: list[Sequence], hidden_size: int) -> list[torch.Tensor | None]:
     """``seq.output_hidden(hidden_size)`` of each of ``seqs``, in a few launches: the sequences whose chunks
-    came from the same steps (a batch that ran together) take one ``index_select`` a step and one copy for all
-    of them, where one by one each took a concatenation of its own. Theirs are views of one tensor [m, T, H]."""
+    came from the same steps (a batch that ran together) are gathered together, one ``index_select`` a step into
+    one tensor [m, T, H] whose rows they are, where one by one each took a concatenation of its own."""
     out: list[torch.Tensor | None] = [None] * len(seqs)
     groups: dict[tuple, list[int]] = {}
     for i, seq in enumerate(seqs):
