@@ -124,7 +124,8 @@ class Chat(UpstreamAttributes):
         Engine settings (see ``EngineConfig``): ``block_size`` tokens per KV block; the KV cache as
         ``num_kv_blocks`` blocks or ``kv_cache_gib`` GiB (default: 40% of free GPU memory, 1 GiB on CPU);
         ``max_num_seqs`` sequences decoded together; ``max_num_batched_tokens`` tokens per step (longer prompts
-        are prefilled in chunks; default 8,192 on CUDA, 2,048 on CPU); ``enable_prefix_caching``; ``engine_dtype`` of the Llama core;
+        are prefilled in chunks; default 8,192 on CUDA, 2,048 on CPU); ``enable_prefix_caching``;
+        ``engine_dtype`` of the Llama core;
         ``max_window_tokens`` caps a decode window's steps x sequences (shorter waits for arriving requests);
         a window of at most ``open_window_max_seqs`` sequences ends early for a request that arrives (0: never);
         ``window_stops`` where a young stream's decode windows end (its first chunks); ``window_budget_ms`` the

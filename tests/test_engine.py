@@ -626,9 +626,9 @@ def test_tokens_a_step_default_by_device_and_are_checked(chat, make_engine):
         EngineConfig(max_num_batched_tokens=0)
 
 
-def test_sequences_finishing_together_get_their_hidden_states_gathered_at_once(chat, make_engine):
-    """A batch that ran together and finishes in one step gets its whole hidden states gathered together (views
-    of one tensor); each equals what its reports gave piece by piece, a later arrival's and an early stop's too."""
+def test_sequences_finishing_together_report_the_hidden_states_their_steps_gave(chat, make_engine):
+    """Sequences finishing in one step (a batch that ran together, one stopping a step early, a later arrival)
+    each report whole hidden states equal to what their reports gave piece by piece."""
     engine = make_engine(num_decode_steps=4)
     lengths = {"a": 10, "b": 10, "c": 10, "short": 9}
     for rid, n in lengths.items():
@@ -647,8 +647,6 @@ def test_sequences_finishing_together_get_their_hidden_states_gathered_at_once(c
     for rid, out in final.items():
         assert out.hidden_states.shape == (out.num_generated, chat.model.config.hidden_size)
         assert torch.equal(torch.cat(pieces[rid]), out.hidden_states), rid
-    storage = {rid: final[rid].hidden_states.untyped_storage().data_ptr() for rid in ("a", "b", "c")}
-    assert len(set(storage.values())) == 1  # gathered together, not one concatenation each
 
 
 @pytest.mark.parametrize("window", [1, 8])

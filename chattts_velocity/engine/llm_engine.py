@@ -28,7 +28,7 @@ from .model_runner import LaunchedStep, ModelRunner, OpenWindow
 from .prefill_graphs import PREFILL_TOKENS
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, first_eos
-from .sequence import FinishReason, Prompt, RequestOutput, Sequence, gather_hidden
+from .sequence import FinishReason, Prompt, RequestOutput, Sequence
 from .timings import Timings
 from .validation import check_prompt, float32_host, validate_request
 
@@ -230,12 +230,8 @@ class LLMEngine:
         finally:
             self._batch = []
         with self._reporting():
-            finished = [seq for seq in sampled if seq.is_finished]
-            # the finished sequences' hidden states gathered together: one by one, each paid launches of its own
-            hidden = dict(zip(map(id, finished), gather_hidden(finished, self.model_config.hidden_size),
-                              strict=True))
             for seq in sampled:
-                outputs.append(self._output(seq, hidden.get(id(seq))))
+                outputs.append(self._output(seq))
                 if seq.is_finished:
                     del self.requests[seq.request_id]
         return outputs
@@ -322,11 +318,10 @@ class LLMEngine:
         self._fit_window(window, ready_at - window.launched_at - waited)
         sampled = []
         ends = self._eos_rows(window.seqs, tokens)
-        for column, (seq, seq_tokens, seq_hidden, end) in enumerate(
-                zip(window.seqs, tokens, window.hidden.unbind(1), ends, strict=True)):
+        for seq, seq_tokens, seq_hidden, end in zip(window.seqs, tokens, window.hidden.unbind(1), ends, strict=True):
             if not seq.is_finished:  # not aborted while its window ran
                 sampled.append(seq)
-                self._accept(seq, seq_tokens, seq_hidden, end, (window.hidden, column))
+                self._accept(seq, seq_tokens, seq_hidden, end)
                 if window.decode:  # a sequence's usual step: it is no longer a suspect
                     self.scheduler.clear(seq)
         return sampled
@@ -443,22 +438,17 @@ class LLMEngine:
         eos = [self.text_eos_id if seq.text_mode else self.model_config.eos_code for seq in seqs]
         return first_eos(tokens, eos).tolist()
 
-    def _accept(self, seq: Sequence, tokens: np.ndarray, hidden: torch.Tensor, end: int | None = None,
-                source: tuple[torch.Tensor, int] | None = None) -> None:
+    def _accept(self, seq: Sequence, tokens: np.ndarray, hidden: torch.Tensor, end: int | None = None) -> None:
         """Hand sampled tokens [num_steps, num_vq] to the scheduler (which owns the sequence's state:
         ``Scheduler.accept``; ``end``: the row of their EOS, if found already); keep the hidden states of those
-        it took (``source``: the step's hidden states [K, S, H] and the sequence's column, of which ``hidden``
-        is that column)."""
+        it took."""
         eos = self.text_eos_id if seq.text_mode else self.model_config.eos_code
         taken = self.scheduler.accept(seq, tokens, eos, end)
         self._totals["num_generated_tokens"] += taken
         if taken and seq.params.return_hidden_states:
             seq.hidden_chunks.append(hidden if taken == hidden.shape[0] else hidden[:taken])
-            if source is not None:
-                seq.hidden_sources.append(source)
 
-    def _output(self, seq: Sequence, hidden: torch.Tensor | None = None) -> RequestOutput:
-        """``seq``'s report; ``hidden``: its whole hidden states if finished and gathered already."""
+    def _output(self, seq: Sequence) -> RequestOutput:
         start, seq.num_reported = seq.num_reported, seq.num_generated
         out = RequestOutput(
             request_id=seq.request_id,
@@ -470,5 +460,5 @@ class LLMEngine:
         )
         if seq.is_finished:
             out.token_ids = seq.output_ids()
-            out.hidden_states = hidden if hidden is not None else seq.output_hidden(self.model_config.hidden_size)
+            out.hidden_states = seq.output_hidden(self.model_config.hidden_size)
         return out

@@ -253,7 +253,7 @@ class ModelRunner:
             pos = np.arange(start, end)
             ids.append(seq.tokens.rows(start, end))
             positions.append(pos)
-            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            slots.append(tables[i, pos // bs] * bs + pos % bs)
             text.append(np.asarray(seq.is_text[start:end], dtype=bool))
             if seq.speaker is not None:
                 speakers_at.append((cu[-1], end - start, seq.speaker))
@@ -270,7 +270,7 @@ class ModelRunner:
             speakers += [speaker] * len(found)
         n, q = ids.shape
         wide = self._to_device(np.concatenate([ids.reshape(-1), *positions, *slots, np.array(last_rows, np.int64),
-                                               text_rows, code_rows, np.array(spk_rows, np.int64)]).astype(np.int64))
+                                               text_rows, code_rows, np.array(spk_rows, np.int64)], dtype=np.int64))
         narrow = self._to_device(np.concatenate([np.array(cu + ctx, np.int32), tables.reshape(-1)]))
         ids_t, wide = wide[: n * q].view(n, q), wide[n * q :]
         parts = wide.split([n, n, len(last_rows), len(text_rows), len(code_rows), len(spk_rows)])
@@ -310,7 +310,7 @@ class CpuHeadSampler(Sampler):
         self.code_head = CpuWeight(self.code_head, weights)  # [Q * V, H]
         self.text_head = CpuWeight(self.text_head, weights)  # [V_text, H]
 
-    def code_logits(self, hidden: Tensor, half: Tensor | None = None) -> Tensor:
+    def code_logits(self, hidden: Tensor, core_out: Tensor | None = None) -> Tensor:
         return self.code_head(hidden).view(hidden.size(0) * self.num_vq, -1)
 
     def text_logits(self, hidden: Tensor) -> Tensor:

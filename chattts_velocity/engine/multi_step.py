@@ -123,7 +123,7 @@ class MultiStepDecoder:
             if b == 1 and hidden.is_cuda:  # the one-row GEMV (a few columns a program) beats cuBLAS's gemv there
                 logits = kernels.fused_linear(hidden, self.sampler.code_head).view(q, -1)
             else:
-                logits = self.sampler.code_logits(hidden, out if out.dtype == torch.float16 else None)  # [b*Q, V]
+                logits = self.sampler.code_logits(hidden, out)  # [b*Q, V]
             tok = sample_rows(logits, p.rows(rows), self.eos)  # [b*Q]
             step_tokens = tok.view(b, q)
         kernels.step_outputs(step_tokens, tok, hidden, s.out_tokens, s.out_hidden, s.step_out, s.tokens,

@@ -131,13 +131,13 @@ class Sampler:
             """``split_head`` of the code head where the core computes in float16 on CUDA (``code_logits``'s
             ``half``), else None."""
 
-    def code_logits(self, hidden: Tensor, half: Tensor | None = None) -> Tensor:
-        """[S, H] float32 -> [S*Q, V] audio logits, rows ordered (sequence, codebook). ``half``: the same rows in
-        float16 (a float16 core's output, of which ``hidden`` is the exact float32 copy): where the code head
-        is split (``split_head``), the product runs on float16 tensor cores with float32 sums (the weight kept
-        to about 22 of float32's 24 mantissa bits)."""
-        if half is not None and self.code_head_split is not None:
-            return split_logits(half, self.code_head_split).view(hidden.size(0) * self.num_vq, -1)
+    def code_logits(self, hidden: Tensor, core_out: Tensor | None = None) -> Tensor:
+        """[S, H] float32 -> [S*Q, V] audio logits, rows ordered (sequence, codebook). ``core_out``: the core's
+        output of which ``hidden`` is the float32 copy: where the code head is split (``split_head``: only for a
+        float16 core), the product runs from it on float16 tensor cores with float32 sums (the weight kept to
+        about 22 of float32's 24 mantissa bits)."""
+        if core_out is not None and self.code_head_split is not None:
+            return split_logits(core_out, self.code_head_split).view(hidden.size(0) * self.num_vq, -1)
         return (hidden @ self.code_head.T).view(hidden.size(0) * self.num_vq, -1)
 
     def text_logits(self, hidden: Tensor) -> Tensor:

@@ -130,9 +130,6 @@ class Sequence:
         """Content hashes of the full blocks of ``tokens`` computed so far (a chain; see BlockSpaceManager)."""
         self.hidden_chunks: list[torch.Tensor] = []
         """Final-norm hidden states [n, H] that produced the generated tokens, in order, one chunk per step."""
-        self.hidden_sources: list[tuple[torch.Tensor, int]] = []
-        """Where each of ``hidden_chunks`` lies: its step's hidden states [K, S, H] and this sequence's column
-        (chunk i is ``source[:n_i, column]``), so that ``gather_hidden`` can gather many sequences at once."""
         self.num_reported = 0
         """Generated tokens already returned by ``LLMEngine.step``."""
 
@@ -187,40 +184,6 @@ class Sequence:
                 return torch.empty(0, hidden_size)
             return like.new_empty(0, hidden_size)
         return parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
-
-
-def gather_hidden(seqs: list[Sequence], hidden_size: int) -> list[torch.Tensor | None]:
-    """``seq.output_hidden(hidden_size)`` of each of ``seqs``, in a few launches: the sequences whose chunks
-    came from the same steps (a batch that ran together) are gathered together, one ``index_select`` a step into
-    one tensor [m, T, H] whose rows they are, where one by one each took a concatenation of its own."""
-    out: list[torch.Tensor | None] = [None] * len(seqs)
-    groups: dict[tuple, list[int]] = {}
-    for i, seq in enumerate(seqs):
-        chunks, sources = seq.hidden_chunks, seq.hidden_sources
-        if (not seq.params.return_hidden_states or len(chunks) < 2 or len(sources) != len(chunks)
-                or sum(chunk.shape[0] for chunk in chunks) != seq.num_generated):
-            out[i] = seq.output_hidden(hidden_size)
-            continue
-        key = tuple((id(step), chunk.shape[0]) for (step, _), chunk in zip(sources, chunks, strict=True))
-        groups.setdefault(key, []).append(i)
-    for members in groups.values():
-        if len(members) == 1:
-            out[members[0]] = seqs[members[0]].output_hidden(hidden_size)
-            continue
-        first = seqs[members[0]]
-        chunks, sources = first.hidden_chunks, first.hidden_sources
-        columns = torch.tensor([[seqs[i].hidden_sources[j][1] for i in members] for j in range(len(sources))])
-        if chunks[0].is_cuda:
-            columns = columns.pin_memory().to(chunks[0].device, non_blocking=True)
-        full = chunks[0].new_empty(len(members), first.num_generated, chunks[0].shape[1])  # [m, T, H]
-        row = 0
-        for (step, _), chunk, cols in zip(sources, chunks, columns, strict=True):
-            n = chunk.shape[0]
-            full[:, row : row + n] = step[:n].transpose(0, 1).index_select(0, cols)  # [m, n, H]
-            row += n
-        for k, i in enumerate(members):
-            out[i] = full[k]
-    return out
 
 
 @dataclass
