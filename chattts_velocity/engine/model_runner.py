@@ -241,42 +241,45 @@ class ModelRunner:
         boolean mask or a pageable copy would also wait for the device."""
         bs, spk = self.block_size, self.spk_emb_id
         num = len(scheduled)
-        ids, positions, slots, text, cu, ctx, last_rows, speakers_at = [], [], [], [], [0], [], [], []
+        ids, text, starts, lengths, last_rows, speakers_at = [], [], [], [], [], []
         width = max(len(item.seq.block_table) for item in scheduled)
         tables = np.zeros((num, width), dtype=np.int32)
-        # numpy a sequence at a time, nothing a token: a step of 256 prompts has ~10,000 tokens
+        # Python a sequence at a time, numpy over every token at once: a step of 256 prompts has ~10,000 tokens
+        row = 0
         for i, item in enumerate(scheduled):
-            seq, start = item.seq, item.start
-            end = start + item.num_new_tokens
-            table = seq.block_table
-            tables[i, : len(table)] = table
-            pos = np.arange(start, end)
-            ids.append(seq.tokens.rows(start, end))
-            positions.append(pos)
-            slots.append(tables[i, pos // bs] * bs + pos % bs)
-            text.append(np.asarray(seq.is_text[start:end], dtype=bool))
+            seq, start, length = item.seq, item.start, item.num_new_tokens
+            tables[i, : len(seq.block_table)] = seq.block_table
+            ids.append(seq.tokens.rows(start, start + length))
+            text += seq.is_text[start : start + length]
             if seq.speaker is not None:
-                speakers_at.append((cu[-1], end - start, seq.speaker))
-            cu.append(cu[-1] + item.num_new_tokens)
-            ctx.append(end)
+                speakers_at.append((row, length, seq.speaker))
+            starts.append(start)
+            lengths.append(length)
+            row += length
             if item.samples:
-                last_rows.append(cu[-1] - 1)
-        ids, text = np.concatenate(ids), np.concatenate(text)
+                last_rows.append(row - 1)
+        ids, text = np.concatenate(ids), np.array(text, dtype=bool)
+        lengths = np.array(lengths, dtype=np.int64)
+        ctx = np.array(starts, dtype=np.int64) + lengths
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        seq_of = np.repeat(np.arange(num), lengths)  # each token's sequence
+        positions = np.arange(row) - np.repeat(cu[:-1] - starts, lengths)
+        slots = tables[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
         text_rows, code_rows = np.flatnonzero(text), np.flatnonzero(~text)
         spk_rows, speakers = [], []
-        for row, length, speaker in speakers_at:  # ``[spk_emb]`` text positions of the sequences with a speaker
-            found = row + np.flatnonzero(text[row : row + length] & (ids[row : row + length, 0] == spk))
+        for at, length, speaker in speakers_at:  # ``[spk_emb]`` text positions of the sequences with a speaker
+            found = at + np.flatnonzero(text[at : at + length] & (ids[at : at + length, 0] == spk))
             spk_rows += found.tolist()
             speakers += [speaker] * len(found)
         n, q = ids.shape
-        wide = self._to_device(np.concatenate([ids.reshape(-1), *positions, *slots, np.array(last_rows, np.int64),
+        wide = self._to_device(np.concatenate([ids.reshape(-1), positions, slots, np.array(last_rows, np.int64),
                                                text_rows, code_rows, np.array(spk_rows, np.int64)], dtype=np.int64))
-        narrow = self._to_device(np.concatenate([np.array(cu + ctx, np.int32), tables.reshape(-1)]))
+        narrow = self._to_device(np.concatenate([cu, ctx, tables.reshape(-1)], dtype=np.int32, casting="same_kind"))
         ids_t, wide = wide[: n * q].view(n, q), wide[n * q :]
         parts = wide.split([n, n, len(last_rows), len(text_rows), len(code_rows), len(spk_rows)])
         cu_t, ctx_t, tables_t = narrow.split([len(cu), len(ctx), num * width])
         meta = AttentionMetadata(positions=parts[0], slot_mapping=parts[1], cu_seqlens_q=cu_t, context_lens=ctx_t,
-                                 block_tables=tables_t.view(num, width), decode_only=cu[-1] == num)
+                                 block_tables=tables_t.view(num, width), decode_only=row == num)
         speakers_t = None
         if speakers:
             speakers_t = torch.stack(speakers)
