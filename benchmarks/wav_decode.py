@@ -13,6 +13,7 @@ precision variants of the torch ops.
 
     python benchmarks/wav_decode.py --batch 256 --chunk 32 64 --tokens 500
     python benchmarks/wav_decode.py --buckets 16 40 --modes tf32-torch --chunk 32   # the window graphs' buckets
+    python benchmarks/wav_decode.py --varied 100 --modes tf32   # sequences of different lengths, as chat.infer
 """
 
 from __future__ import annotations
@@ -190,6 +191,35 @@ def buckets_probe(model, distinct: torch.Tensor, lengths: list[int], repeats: in
                   f"{split:.3f} ms", flush=True)
 
 
+def varied_probe(model, distinct: torch.Tensor, batch: int, shortest: int, repeats: int) -> None:
+    """``AudioDecoder.to_wav_list`` (what ``chat.infer`` decodes with) of ``batch`` sequences whose lengths
+    spread evenly from ``shortest`` to the hidden states' length: as it runs (rows of different lengths share
+    batches, each row's padding read as zeros), against one call per length (every row decoded alone, as
+    sequences of different lengths were); wall ms including the copies to the host, and the largest
+    difference of a wav between the two."""
+    dec = AudioDecoder(model.dvae, model.decoder, model.vocos, "cuda")
+    longest = distinct.shape[1]
+    rows = [distinct[i % distinct.shape[0], : shortest + (longest - shortest) * i // max(batch - 1, 1)]
+            for i in range(batch)]
+
+    def timed(fn) -> tuple[float, list[np.ndarray]]:
+        walls = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            wavs = fn()
+            torch.cuda.synchronize()
+            walls.append(1000 * (time.perf_counter() - start))
+        return statistics.median(walls[1:]), wavs
+
+    together, wavs = timed(lambda: dec.to_wav_list(rows, True))
+    alone, want = timed(lambda: [dec.to_wav_list([r], True)[0] for r in rows])
+    diff = max(float(np.abs(w - a).max()) for w, a in zip(wavs, want, strict=True))
+    audio = sum(w.size for w in wavs) / 24000
+    print(f"{batch} sequences of {shortest}-{longest} tokens ({audio:.0f} s of audio): to_wav_list {together:.1f} ms, "
+          f"one call a length {alone:.1f} ms; largest difference {diff:.1e}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -203,6 +233,8 @@ def main() -> None:
                     help="also time the stream-window graphs' batch buckets at these window lengths (tokens)")
     ap.add_argument("--modes", nargs="+", default=None,
                     help="only these modes (fp32, the SNR reference, always runs): tf32 bf16-autocast ...")
+    ap.add_argument("--varied", type=int, default=None, metavar="SHORTEST",
+                    help="also time to_wav_list of --batch sequences of lengths from SHORTEST to --tokens")
     ap.add_argument("--cudnn-benchmark", action="store_true",
                     help="let cuDNN time its convolution algorithms per shape (torch.backends.cudnn.benchmark)")
     args = ap.parse_args()
@@ -239,6 +271,8 @@ def main() -> None:
         modes.append(Mode("bf16-weights+compile", model, half=torch.bfloat16, compile_=True, fused=False))
     if args.modes:
         modes = [m for m in modes if m.name == "fp32" or m.name in args.modes]
+    if args.varied is not None:
+        varied_probe(model, distinct, args.batch, args.varied, args.repeats)
     if args.buckets:
         buckets_probe(model, distinct, args.buckets, args.repeats)
     if args.windows:

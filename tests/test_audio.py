@@ -123,6 +123,35 @@ def test_to_wavs_matches_upstream(upstream_chat, ours, use_decoder):
     assert _max_diff(f"to_wavs(use_decoder={use_decoder})", got, want) <= TOL
 
 
+@pytest.mark.parametrize("use_decoder", [False, True])
+def test_to_wav_list_decodes_rows_of_different_lengths_as_each_alone(ours, use_decoder, monkeypatch):
+    """One batch of rows of different lengths (every convolution and the iSTFT read a row's padding as zeros)
+    gives each row's own decode; padding alone (``to_wavs``) would change the shorter rows' ends."""
+    from chattts_velocity.audio import decode
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = (5, 17, 1, 9, 0, 17, 30)
+    if use_decoder:
+        results = [torch.randn(n, HIDDEN, generator=gen) for n in lengths]
+    else:
+        results = [torch.randint(0, 625, (n, 4), generator=gen) for n in lengths]
+    alone = [ours.to_wavs([r], use_decoder)[0] if r.shape[0] else np.zeros(0, np.float32) for r in results]
+    batches = []
+    decode_rows = decode.AudioDecoder._decode_rows
+    monkeypatch.setattr(decode.AudioDecoder, "_decode_rows",
+                        lambda self, results, idx, *a: batches.append(len(idx)) or decode_rows(self, results, idx, *a))
+    for budget, sizes in ((decode.DECODE_TOKENS, [6]), (40, [3, 2, 1])):  # sorted runs of at most 40 steps
+        monkeypatch.setattr(decode, "DECODE_TOKENS", budget)
+        batches.clear()
+        got = ours.to_wav_list(results, use_decoder)
+        assert batches == sizes
+        for n, g, a in zip(lengths, got, alone, strict=True):
+            assert g.dtype == np.float32 and g.shape == a.shape == ((2 * n - 1) * 256 if n else 0,)
+            assert n == 0 or _max_diff(f"to_wav_list row of {n}", g, a) <= TOL
+    padded = ours.to_wavs(results[:2], use_decoder)[0][: alone[0].size]
+    assert _max_diff("padded row of 5", padded, alone[0]) > 100 * TOL
+
+
 def test_to_wavs_empty(ours):
     wavs = ours.to_wavs([], use_decoder=False)
     assert wavs.dtype == np.float32 and wavs.size == 0
@@ -269,7 +298,7 @@ def test_full_size_configs_round_trip():
 @pytest.mark.parametrize("frames", [2, 7, 96])
 def test_istft_center_equals_torch_istft(frames):
     """The graph-safe iSTFT (no host-side check) computes what Vocos's torch.istft(center=True) does."""
-    from chattts_velocity.audio.graphs import istft_center, window_envelope
+    from chattts_velocity.audio.vocoder import istft_center, window_envelope
 
     n_fft, hop = 1024, 256
     gen = torch.Generator().manual_seed(frames)
@@ -281,6 +310,13 @@ def test_istft_center_equals_torch_istft(frames):
         got = istft_center(spec, n_fft, hop, window, envelope)
         assert got.shape == ref.shape == (3, hop * (frames - 1))
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # rows of their own lengths: each as torch.istft of its first frames alone
+    own = torch.tensor([frames, max(frames // 2, 2), 2], dtype=torch.int32)
+    got = istft_center(spec, n_fft, hop, window, frames=own)
+    assert got.shape == ref.shape
+    for row, n in enumerate(own.tolist()):
+        alone = torch.istft(spec[row, :, :n], n_fft, hop, n_fft, window, center=True)
+        torch.testing.assert_close(got[row, : hop * (n - 1)], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_graph_decode_function_equals_the_eager_decode(ours):

@@ -67,6 +67,14 @@ def _interpreter_cases() -> dict[str, float]:
         out[name] = _rel(dwconv_norm(*args), dwconv_norm_ref(*args))
         out[name + "_fp16_out"] = _rel(dwconv_norm(*args, out_dtype=torch.float16),
                                        dwconv_norm_ref(*args, out_dtype=torch.float16))
+    args = _dwconv_args(3, 19, 24, 7, 2, seed=9)
+    lengths = torch.tensor([19, 7, 1], dtype=torch.int32)
+    for suffix, dtype in (("", torch.float32), ("_fp16_out", torch.float16)):
+        got = dwconv_norm(*args, out_dtype=dtype, lengths=lengths)
+        alone = [dwconv_norm_ref(args[0][b:b + 1, :n].contiguous(), *args[1:], out_dtype=dtype)[0]
+                 for b, n in enumerate(lengths.tolist())]
+        out["dwconv_lengths" + suffix] = _rel(torch.cat([got[b, :n] for b, n in enumerate(lengths.tolist())]),
+                                              torch.cat(alone))
     for name, (m, k, n, res) in {"linear_gelu": (37, 48, 80, False), "linear_residual": (37, 80, 48, True),
                                  "linear_one_row": (1, 24, 72, False), "linear_ragged_k": (130, 40, 20, True)}.items():
         args, extra = _linear_args(m, k, n, seed=m + k, residual=res)
@@ -107,6 +115,10 @@ def _forced_decode_cases() -> dict[str, float]:
     hiddens = [torch.randn(n, width, generator=g) for n in (9, 9)]
     codes = [torch.randint(0, 625, (9, 4), generator=g) for _ in range(2)]
     wants = {name: audio.to_wavs(x, name == "hiddens") for name, x in (("hiddens", hiddens), ("codes", codes))}
+    varied = {"hiddens": [torch.randn(n, width, generator=g) for n in (9, 4, 6)],
+              "codes": [torch.randint(0, 625, (n, 4), generator=g) for n in (3, 9, 5)]}
+    alone = {name: np.concatenate([audio.to_wavs([r], name == "hiddens")[0] for r in rows])
+             for name, rows in varied.items()}
     out = {}
     saved = convnext.fused_applies, dvae.fused_applies
     called = []
@@ -122,10 +134,13 @@ def _forced_decode_cases() -> dict[str, float]:
             for name, x in (("hiddens", hiddens), ("codes", codes)):
                 got = audio.to_wavs(x, name == "hiddens")
                 out[f"to_wavs_{name}{suffix}"] = _rel(torch.from_numpy(got), torch.from_numpy(wants[name]))
+                # rows of their own lengths in one batch: the kernels read each row's padding as zeros
+                got = np.concatenate(audio.to_wav_list(varied[name], name == "hiddens"))
+                out[f"to_wav_list_{name}{suffix}"] = _rel(torch.from_numpy(got), torch.from_numpy(alone[name]))
     finally:
         convnext.fused_applies, dvae.fused_applies = saved
         convnext.OPERANDS = torch.float16
-    assert len(called) == 8, called  # the DVAE's or the Decoder's stack, and Vocos's backbone, every call
+    assert len(called) == 16, called  # the DVAE's or the Decoder's stack, and Vocos's backbone, every call
     return out
 
 
@@ -152,7 +167,7 @@ multiplies in float32), wavs 1e-4 (the iSTFT's sums)."""
 def test_interpreter_kernels_and_stacks_match_the_torch_ops(interpreter_results: dict) -> None:
     assert interpreter_results["ran_triton"], "the Triton module never ran: the cases compared torch with torch"
     errors = interpreter_results["errors"]
-    assert len(errors) == 25, sorted(errors)
+    assert len(errors) == 31, sorted(errors)
     for name, err in errors.items():
         tol = next((t for suffix, t in TOLERANCE.items() if name.endswith(suffix)), 2e-5)
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
@@ -290,3 +305,32 @@ def test_gpu_fused_stacks_match_the_modules_at_the_real_sizes(monkeypatch) -> No
         assert err_fused < max(4 * err_torch, 1e-3), f"{name}: fused {err_fused:.2e}, torch TF32 {err_torch:.2e}"
         snr = 10 * np.log10(float((e.double() ** 2).sum() / ((f.double() - e.double()) ** 2).sum()))
         assert snr > 50, f"{name}: SNR {snr:.1f} dB against strict float32"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_gpu_rows_of_their_own_lengths_decode_as_each_alone(monkeypatch) -> None:
+    """The real-size Decoder stack and Vocos backbone on the fused kernels in TF32, a batch of rows of different
+    lengths (``lengths``): each row's frames equal the row decoded alone."""
+    m, c = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    saved = m.fp32_precision, c.fp32_precision
+    stack = _stack(hidden=512, n_layer=12, idim=384).cuda()
+    backbone = _backbone(dim=512, n_layer=8, n_mels=100).cuda()
+    lengths = [300, 41, 170, 2]
+    x = torch.randn(len(lengths), 384, 300, device="cuda")
+    mel = torch.randn(len(lengths), 100, 300, device="cuda")
+    own = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    monkeypatch.setenv("CHATTTS_VELOCITY_FUSED_DECODE", "1")
+    try:
+        m.fp32_precision = c.fp32_precision = "tf32"
+        with torch.inference_mode():
+            assert fused_applies(x)
+            batched = stack(x, own), vocos_backbone(backbone, mel, lengths=own).transpose(1, 2)
+            alone = [(stack(x[b:b + 1, :, :n]), vocos_backbone(backbone, mel[b:b + 1, :, :n]).transpose(1, 2))
+                     for b, n in enumerate(lengths)]
+    finally:
+        m.fp32_precision, c.fp32_precision = saved
+    for part, name in enumerate(("decoder", "backbone")):
+        for b, n in enumerate(lengths):
+            err = _rel(batched[part][b, :, :n], alone[b][part][0])
+            assert err < 1e-3, f"{name}, row {b} of {n} frames: relative error {err:.2e}"

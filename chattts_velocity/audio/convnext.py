@@ -19,7 +19,7 @@ import threading
 import torch
 from torch import Tensor, nn
 
-from ..kernels.convnext import dwconv_norm, linear
+from ..kernels.convnext import dwconv_norm, linear, time_mask
 
 
 def fused_default() -> bool:
@@ -63,38 +63,57 @@ OPERANDS = torch.float16
 on TF32 tensor cores)."""
 
 
+def mask_frames(x: Tensor, lengths: Tensor | None) -> Tensor:
+    """x [B, C, T] with row b's frames from ``lengths[b]`` on set to zero (None: ``x`` itself): what a
+    convolution over T must read there for a row of a padded batch to come out as it does alone."""
+    return x if lengths is None else x.masked_fill(~time_mask(lengths, x.shape[2])[:, None, :], 0.0)
+
+
 def convnext_block(x: Tensor, dwconv: nn.Conv1d, norm: nn.LayerNorm, pwconv1: nn.Linear, pwconv2: nn.Linear,
-                   scale: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
+                   scale: Tensor | None, dtype: torch.dtype | None = None, lengths: Tensor | None = None) -> Tensor:
     """One residual block on channels-last x [B, T, C] float32 -> [B, T, C]: ``x + scale * pwconv2(gelu(
-    pwconv1(norm(dwconv(x)))))``, its activations in ``dtype`` (None: ``OPERANDS``)."""
+    pwconv1(norm(dwconv(x)))))``, its activations in ``dtype`` (None: ``OPERANDS``); ``lengths`` [B] int32: each
+    row's own length (``kernels.convnext.dwconv_norm``)."""
     b, t, c = x.shape
     dtype = OPERANDS if dtype is None else dtype
     w1, w2 = operand_weight(pwconv1.weight, dtype), operand_weight(pwconv2.weight, dtype)
     scale = torch.ones_like(pwconv2.bias) if scale is None else scale
     y = dwconv_norm(x, dwconv.weight, dwconv.bias, dwconv.dilation[0], dwconv.padding[0], norm.weight, norm.bias,
-                    norm.eps, out_dtype=dtype)  # [B, T, C]
+                    norm.eps, out_dtype=dtype, lengths=lengths)  # [B, T, C]
     h = linear(y.view(b * t, c), w1, pwconv1.bias, gelu=True, out_dtype=dtype)  # [B*T, 4C]
     return linear(h, w2, pwconv2.bias, scale=scale, residual=x.view(b * t, c)).view(b, t, c)
 
 
-def conv_stack(stack, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def conv_stack(stack, x: Tensor, dtype: torch.dtype | None = None, lengths: Tensor | None = None) -> Tensor:
     """``audio.dvae.ConvStack``'s forward [B, idim, T] -> [B, odim, T] on the fused blocks (``x`` after its
-    ``conv_in``; the result a transposed view); ``dtype`` as ``convnext_block``'s."""
+    ``conv_in``; the result a transposed view); ``dtype`` and ``lengths`` as ``convnext_block``'s."""
     h = x.transpose(1, 2).contiguous()  # [B, T, hidden]
     for block in stack.decoder_block:
-        h = convnext_block(h, block.dwconv, block.norm, block.pwconv1, block.pwconv2, block.weight, dtype)
+        h = convnext_block(h, block.dwconv, block.norm, block.pwconv1, block.pwconv2, block.weight, dtype, lengths)
     return torch.matmul(h, stack.conv_out.weight[:, :, 0].t()).transpose(1, 2)  # the 1x1 conv: [B, odim, T]
 
 
-def vocos_backbone(backbone, mel: Tensor, fused: bool | None = None, dtype: torch.dtype | None = None) -> Tensor:
+def vocos_backbone(backbone, mel: Tensor, fused: bool | None = None, dtype: torch.dtype | None = None,
+                   lengths: Tensor | None = None) -> Tensor:
     """Vocos's ``VocosBackbone`` forward, mel [B, n_mels, F] -> features [B, F, dim], on the fused blocks where
     they apply (``fused``: force, or None for ``fused_applies``; never with an AdaLayerNorm, which ChatTTS's
-    Vocos does not have); ``dtype`` as ``convnext_block``'s."""
+    Vocos does not have); ``dtype`` as ``convnext_block``'s; ``lengths`` [B] int32: each row's own number of
+    frames, those after it read as zeros by every convolution."""
     if fused is None:
         fused = fused_applies(mel)
-    if not fused or backbone.adanorm or any(block.adanorm for block in backbone.convnext):
+    adanorm = backbone.adanorm or any(block.adanorm for block in backbone.convnext)
+    if adanorm and lengths is not None:
+        raise ValueError("rows of their own lengths need a backbone without AdaLayerNorm")
+    mel = mask_frames(mel, lengths)
+    if adanorm or (not fused and lengths is None):
         return backbone(mel)
-    x = backbone.norm(backbone.embed(mel).transpose(1, 2)).contiguous()  # [B, F, dim]
+    x = backbone.norm(backbone.embed(mel).transpose(1, 2))  # [B, F, dim]
+    if not fused:  # the modules' ops, each convolution's input masked
+        x = x.transpose(1, 2)
+        for block in backbone.convnext:
+            x = block(mask_frames(x, lengths))
+        return backbone.final_layer_norm(x.transpose(1, 2))
+    x = x.contiguous()
     for block in backbone.convnext:
-        x = convnext_block(x, block.dwconv, block.norm, block.pwconv1, block.pwconv2, block.gamma, dtype)
+        x = convnext_block(x, block.dwconv, block.norm, block.pwconv1, block.pwconv2, block.gamma, dtype, lengths)
     return backbone.final_layer_norm(x)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from vocos import Vocos
 
+from ..constants import HOP_LENGTH
 from ..device import wait_for
 from .dvae import DVAE
 from .graphs import DecodeGraphs
@@ -28,6 +29,11 @@ def _to_host(x: Tensor) -> np.ndarray:
     host.copy_(x, non_blocking=True)
     wait_for(torch.cuda.current_stream(x.device))
     return host.numpy()
+
+
+DECODE_TOKENS = 131_072
+"""Padded steps (sequences x the longest's length) that one ``AudioDecoder.to_wav_list`` batch holds at most:
+256 sequences of 512 steps; longer lists decode in several batches, bounding the decode's activations."""
 
 
 class AudioDecoder:
@@ -106,34 +112,56 @@ class AudioDecoder:
             raise ValueError(f"stacked must be a non-empty [B, T, C] tensor, got {tuple(stacked.shape)}")
         return self._decode(stacked.to(self.device).transpose(1, 2), True, use_decoder, tf32)
 
-    def _decode(self, batch: Tensor, equal: bool, use_decoder: bool, tf32: bool | None) -> np.ndarray:
-        """[B, C, T] (a view is fine) -> float32 wavs [B, S] on the host; ``equal``: no row is padded."""
+    def _decode(self, batch: Tensor, equal: bool, use_decoder: bool, tf32: bool | None,
+                lengths: Tensor | None = None) -> np.ndarray:
+        """[B, C, T] (a view is fine) -> float32 wavs [B, S] on the host; ``equal``: no row is padded;
+        ``lengths`` [B] int32 on the device: each row's own number of steps, its padding read as zeros (row b
+        then holds its own wav in its first ``HOP_LENGTH * (2 * lengths[b] - 1)`` samples)."""
         tf32 = self.tf32 if tf32 is None else tf32
         with self._precision(tf32):
             # stream windows (one length, no padding): a CUDA graph replay where one takes the shape
             wav = self.graphs.run(batch, tf32) if self.graphs is not None and use_decoder and equal else None
             if wav is not None:
                 return _to_host(wav)
-            mel = (self.decoder if use_decoder else self.dvae).decode(batch.contiguous())  # [B, n_mels, 2T]
+            mel = (self.decoder if use_decoder else self.dvae).decode(batch.contiguous(), lengths)  # [B, n_mels, 2T]
             vocos_device = next(self.vocos.parameters()).device
-            wav = vocos_decode(self.vocos, mel.to(vocos_device))
+            frames = None if lengths is None else 2 * lengths.to(vocos_device)
+            wav = vocos_decode(self.vocos, mel.to(vocos_device), frames)
         return _to_host(wav.float())  # [B, S]
 
+    @torch.inference_mode()
     def to_wav_list(self, results: list[Tensor], use_decoder: bool, tf32: bool | None = None) -> list[np.ndarray]:
-        """Like ``to_wavs``, but every sequence is decoded at its own length (no padding reaches its audio);
-        sequences of equal length share one batch."""
+        """Like ``to_wavs``, but every sequence is decoded at its own length (no padding reaches its audio):
+        sequences of different lengths share a batch in which every convolution, and the iSTFT, reads a row's
+        frames past its own length as zeros (the decode of each row alone, to rounding); the batches are runs
+        of similar lengths (sorted) of at most ``DECODE_TOKENS`` padded steps."""
         wavs: list[np.ndarray | None] = [None] * len(results)
-        by_len: dict[int, list[int]] = {}
-        for i, r in enumerate(results):
-            by_len.setdefault(r.shape[0], []).append(i)
-        for length, idx in by_len.items():
+        order = sorted(range(len(results)), key=lambda i: results[i].shape[0])
+        chunk: list[int] = []
+        for i in order:
+            length = results[i].shape[0]
             if length == 0:
-                for i in idx:
-                    wavs[i] = np.zeros(0, dtype=np.float32)
+                wavs[i] = np.zeros(0, dtype=np.float32)
                 continue
-            for i, wav in zip(idx, self.to_wavs([results[i] for i in idx], use_decoder, tf32), strict=True):
-                wavs[i] = wav
+            if chunk and (len(chunk) + 1) * length > DECODE_TOKENS:
+                self._decode_rows(results, chunk, use_decoder, tf32, wavs)
+                chunk = []
+            chunk.append(i)
+        if chunk:
+            self._decode_rows(results, chunk, use_decoder, tf32, wavs)
         return wavs
+
+    def _decode_rows(self, results: list[Tensor], idx: list[int], use_decoder: bool, tf32: bool | None,
+                     wavs: list[np.ndarray | None]) -> None:
+        """``to_wav_list`` of ``results[i] for i in idx`` in one batch, into ``wavs[i]``."""
+        rows = [results[i] for i in idx]
+        batch, equal = self._pad(rows)
+        lengths = None
+        if not equal:
+            lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int32).to(self.device, non_blocking=True)
+        decoded = self._decode(batch, equal, use_decoder, tf32, lengths)
+        for i, row, wav in zip(idx, rows, decoded, strict=True):
+            wavs[i] = wav if equal else wav[: HOP_LENGTH * (2 * row.shape[0] - 1)]
 
     @torch.inference_mode()
     def sample_audio(self, wav: np.ndarray | Tensor) -> Tensor:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ..constants import HOP_LENGTH, SAMPLE_RATE
 from ..weights import check_state_dict, count_layers, read_safetensors, require
-from .convnext import conv_stack, fused_applies
+from .convnext import conv_stack, fused_applies, mask_frames
 from .fsq import GFSQ
 
 CODE_LEVEL = 5
@@ -141,12 +141,18 @@ class ConvStack(nn.Module):
         self.decoder_block = nn.ModuleList(blocks)
         self.conv_out = nn.Conv1d(c.hidden, c.odim, 1, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.conv_in(x)  # [B, hidden, T]
+    def forward(self, x: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """``lengths`` [B] int32: each row's own number of frames; every convolution reads the frames after it
+        as zeros, so a row's first ``lengths[b]`` outputs are those it has alone."""
+        if lengths is None:
+            x = self.conv_in(x)  # [B, hidden, T]
+        else:
+            first, act, second = self.conv_in
+            x = second(mask_frames(act(first(mask_frames(x, lengths))), lengths))
         if fused_applies(x):  # the blocks channels last, on fused kernels (see audio.convnext)
-            return conv_stack(self, x)
+            return conv_stack(self, x, lengths=lengths)
         for block in self.decoder_block:
-            x = block(x)
+            x = block(mask_frames(x, lengths))
         return self.conv_out(x)  # [B, odim, T]
 
 
@@ -196,14 +202,17 @@ class DVAE(nn.Module):
         return model.to(device).eval()
 
     @torch.inference_mode()
-    def decode(self, x: Tensor) -> Tensor:
+    def decode(self, x: Tensor, lengths: Tensor | None = None) -> Tensor:
         """Codes [B, G*R, T] int (DVAE) or hidden states [B, 2*decoder.idim, T] float (Decoder)
-        -> mel [B, n_mels, 2T]. Same as upstream ``DVAE.forward(x, "decode")``; ``x`` is left untouched."""
+        -> mel [B, n_mels, 2T]. Same as upstream ``DVAE.forward(x, "decode")``; ``x`` is left untouched.
+        ``lengths`` [B] int32 on ``x``'s device: each row's own number of steps (the rest padding); row b's
+        first ``2 * lengths[b]`` mel frames are then those it decodes to alone."""
         feats = self._embed(x) if self.vq_layer is not None else self._check_hiddens(x)  # [B, C, T]
         b, c, t = feats.shape
         # every step carries two mel frames: the two channel halves are consecutive frames
         feats = feats.reshape(b, 2, c // 2, t).permute(0, 2, 3, 1).flatten(2)  # [B, C/2, 2T]
-        return self.out_conv(self.decoder(feats)) * self.coef  # [B, n_mels, 2T]
+        frames = None if lengths is None else 2 * lengths.to(feats.device)
+        return self.out_conv(mask_frames(self.decoder(feats, frames), frames)) * self.coef  # [B, n_mels, 2T]
 
     @torch.inference_mode()
     def encode(self, wav: Tensor) -> Tensor:

@@ -18,13 +18,12 @@ import logging
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from vocos import Vocos
 
 from .convnext import vocos_backbone
 from .dvae import DVAE
-from .vocoder import head_spectrum
+from .vocoder import head_spectrum, istft_center, window_envelope
 
 logger = logging.getLogger(__name__)
 
@@ -63,27 +62,6 @@ def cover(batch: int, buckets: tuple[int, ...], replay_windows: int) -> tuple[in
         parts.append(choice[n])
         n -= choice[n]
     return tuple(sorted(parts, reverse=True))
-
-
-def istft_center(spec: Tensor, n_fft: int, hop: int, window: Tensor, envelope: Tensor | None = None) -> Tensor:
-    """``torch.istft(spec, n_fft, hop, n_fft, window, center=True)`` for complex ``spec`` [B, n_fft/2+1, T] ->
-    [B, hop * (T - 1)], without the host-side envelope check (``envelope``: ``window_envelope``'s result, or
-    None to compute it here)."""
-    frames = torch.fft.irfft(spec, n_fft, dim=1, norm="backward") * window[None, :, None]  # [B, n_fft, T]
-    t = spec.shape[-1]
-    size = n_fft + hop * (t - 1)
-    wav = F.fold(frames, output_size=(1, size), kernel_size=(1, n_fft), stride=(1, hop))[:, 0, 0]  # [B, size]
-    if envelope is None:
-        envelope = window_envelope(window, t, hop)
-    pad = n_fft // 2
-    return wav[:, pad : size - pad] / envelope[pad : size - pad]
-
-
-def window_envelope(window: Tensor, frames: int, hop: int) -> Tensor:
-    """Overlap-added squared window of ``frames`` frames: [n_fft + hop * (frames - 1)]."""
-    n_fft = window.shape[0]
-    sq = window.square()[None, :, None].expand(1, n_fft, frames)
-    return F.fold(sq, output_size=(1, n_fft + hop * (frames - 1)), kernel_size=(1, n_fft), stride=(1, hop))[0, 0, 0]
 
 
 def decode_wav(decoder: DVAE, vocos: Vocos, x: Tensor, envelope: Tensor | None = None) -> Tensor:

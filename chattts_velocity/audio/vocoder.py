@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from vocos import Vocos
 from vocos.feature_extractors import MelSpectrogramFeatures
@@ -17,6 +18,7 @@ from vocos.heads import ISTFTHead
 from vocos.models import VocosBackbone
 
 from ..constants import HOP_LENGTH, SAMPLE_RATE
+from ..kernels.convnext import time_mask
 from ..weights import check_state_dict, count_layers, read_safetensors, require
 from .convnext import vocos_backbone
 
@@ -77,7 +79,44 @@ def head_spectrum(head: ISTFTHead, x: Tensor) -> Tensor:
     return torch.complex(mag * torch.cos(phase), mag * torch.sin(phase))
 
 
-def vocos_decode(vocos: Vocos, mel: Tensor) -> Tensor:
+def istft_center(spec: Tensor, n_fft: int, hop: int, window: Tensor, envelope: Tensor | None = None,
+                 frames: Tensor | None = None) -> Tensor:
+    """``torch.istft(spec, n_fft, hop, n_fft, window, center=True)`` for complex ``spec`` [B, n_fft/2+1, T] ->
+    [B, hop * (T - 1)], without the host-side envelope check (``envelope``: ``window_envelope``'s result, or
+    None to compute it here). ``frames`` [B] int32: row b as if it had only its first ``frames[b]`` frames
+    (its first ``hop * (frames[b] - 1)`` samples are then its own; the rest are of no use)."""
+    signal = torch.fft.irfft(spec, n_fft, dim=1, norm="backward") * window[None, :, None]  # [B, n_fft, T]
+    t = spec.shape[-1]
+    size = n_fft + hop * (t - 1)
+    fold = dict(output_size=(1, size), kernel_size=(1, n_fft), stride=(1, hop))
+    if frames is not None:
+        valid = time_mask(frames.to(spec.device), t)[:, None, :]  # [B, 1, T]
+        signal = signal.masked_fill(~valid, 0.0)
+        envelope = F.fold(window.square()[None, :, None] * valid, **fold)[:, 0, 0]  # [B, size]
+    elif envelope is None:
+        envelope = window_envelope(window, t, hop)
+    wav = F.fold(signal, **fold)[:, 0, 0]  # [B, size]
+    pad = n_fft // 2
+    wav, envelope = wav[:, pad : size - pad], envelope[..., pad : size - pad]
+    return wav / envelope if frames is None else torch.where(envelope > 1e-11, wav / envelope, 0.0)
+
+
+def window_envelope(window: Tensor, frames: int, hop: int) -> Tensor:
+    """Overlap-added squared window of ``frames`` frames: [n_fft + hop * (frames - 1)]."""
+    n_fft = window.shape[0]
+    sq = window.square()[None, :, None].expand(1, n_fft, frames)
+    return F.fold(sq, output_size=(1, n_fft + hop * (frames - 1)), kernel_size=(1, n_fft), stride=(1, hop))[0, 0, 0]
+
+
+def vocos_decode(vocos: Vocos, mel: Tensor, frames: Tensor | None = None) -> Tensor:
     """``vocos.decode(mel)``: mel [B, n_mels, F] -> wav [B, S], the backbone on the fused kernels where they
-    apply (``audio.convnext``), the head's spectrum from ``head_spectrum``."""
-    return vocos.head.istft(head_spectrum(vocos.head, vocos_backbone(vocos.backbone, mel)))
+    apply (``audio.convnext``), the head's spectrum from ``head_spectrum``. ``frames`` [B] int32: each row's
+    own number of mel frames, the rest padding: row b's first ``hop * (frames[b] - 1)`` samples are then its
+    wav alone (``istft_center``)."""
+    spectrum = head_spectrum(vocos.head, vocos_backbone(vocos.backbone, mel, lengths=frames))
+    istft = vocos.head.istft
+    if frames is None:
+        return istft(spectrum)
+    if istft.padding != "center" or istft.win_length != istft.n_fft:
+        raise ValueError("rows of their own lengths need a centred iSTFT with its window as long as n_fft")
+    return istft_center(spectrum, istft.n_fft, istft.hop_length, istft.window, frames=frames)

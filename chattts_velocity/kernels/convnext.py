@@ -21,9 +21,12 @@ _OPERANDS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def dwconv_norm(x: Tensor, conv_weight: Tensor, conv_bias: Tensor, dilation: int, padding: int,
-                norm_weight: Tensor, norm_bias: Tensor, eps: float, out_dtype: torch.dtype = torch.float32) -> Tensor:
+                norm_weight: Tensor, norm_bias: Tensor, eps: float, out_dtype: torch.dtype = torch.float32,
+                lengths: Tensor | None = None) -> Tensor:
     """x [B, T, C] float32 (channels last) -> ``layer_norm(conv1d(x over T, groups=C))`` [B, T, C] in
-    ``out_dtype``; ``conv_weight`` [C, 1, K], ``conv_bias`` [C], zero padding of ``padding`` frames each side."""
+    ``out_dtype``; ``conv_weight`` [C, 1, K], ``conv_bias`` [C], zero padding of ``padding`` frames each side.
+    ``lengths`` [B] int32: row b is ``lengths[b]`` frames long, its frames from there on read as zeros (so its
+    first ``lengths[b]`` outputs are those of the row alone; the later ones are of no use)."""
     check_tensor("x", x, "[B, T, C]", 3, _FLOAT32)
     check_contiguous("x", x)
     c = x.shape[2]
@@ -37,18 +40,31 @@ def dwconv_norm(x: Tensor, conv_weight: Tensor, conv_bias: Tensor, dilation: int
     check(padding == dilation * (conv_weight.shape[2] // 2), "only 'same' padding: dilation * (K // 2)")
     check(out_dtype in _OPERANDS, f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     check_same_device(x=x, conv_weight=conv_weight, norm_weight=norm_weight)
+    if lengths is not None:
+        check_tensor("lengths", lengths, "[B]", 1, (torch.int32,))
+        check(lengths.shape[0] == x.shape[0], f"lengths has {lengths.shape[0]} elements, x has {x.shape[0]} rows")
+        check_contiguous("lengths", lengths)
+        check_same_device(x=x, lengths=lengths)
     if use_triton(x):
         from ._triton.convnext import dwconv_norm_triton
 
         return dwconv_norm_triton(x, conv_weight, conv_bias, dilation, padding, norm_weight, norm_bias, eps,
-                                  out_dtype)
-    return dwconv_norm_ref(x, conv_weight, conv_bias, dilation, padding, norm_weight, norm_bias, eps, out_dtype)
+                                  out_dtype, lengths)
+    return dwconv_norm_ref(x, conv_weight, conv_bias, dilation, padding, norm_weight, norm_bias, eps, out_dtype,
+                           lengths)
+
+
+def time_mask(lengths: Tensor, frames: int) -> Tensor:
+    """[B, frames] bool: True where a frame lies within its row's length."""
+    return torch.arange(frames, device=lengths.device) < lengths[:, None]
 
 
 def dwconv_norm_ref(x: Tensor, conv_weight: Tensor, conv_bias: Tensor, dilation: int, padding: int,
                     norm_weight: Tensor, norm_bias: Tensor, eps: float,
-                    out_dtype: torch.dtype = torch.float32) -> Tensor:
+                    out_dtype: torch.dtype = torch.float32, lengths: Tensor | None = None) -> Tensor:
     """Torch reference of ``dwconv_norm``: upstream's ops."""
+    if lengths is not None:
+        x = x.masked_fill(~time_mask(lengths, x.shape[1])[:, :, None], 0.0)
     y = F.conv1d(x.transpose(1, 2), conv_weight, conv_bias, padding=padding, dilation=dilation, groups=x.shape[2])
     return F.layer_norm(y.transpose(1, 2), (x.shape[2],), norm_weight, norm_bias, eps).to(out_dtype)
 

@@ -18,18 +18,21 @@ FP16_MAX = tl.constexpr(65504.0)
 # Not specialised on the row counts (T, M): Triton would compile a variant per value class of an int argument
 # (1, a multiple of 16, other), and a decode of a new class in a warmed-up server would stall on the compile.
 @triton.jit(do_not_specialize=["T"])
-def _dwconv_norm_kernel(x_ptr, cw_ptr, cb_ptr, nw_ptr, nb_ptr, y_ptr, T, C, eps,
-                        KSIZE: tl.constexpr, DILATION: tl.constexpr, PAD: tl.constexpr,
+def _dwconv_norm_kernel(x_ptr, cw_ptr, cb_ptr, nw_ptr, nb_ptr, len_ptr, y_ptr, T, C, eps,
+                        KSIZE: tl.constexpr, DILATION: tl.constexpr, PAD: tl.constexpr, LENGTHS: tl.constexpr,
                         SATURATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.arange(0, BLOCK_C)
     cmask = c < C
     base = x_ptr + b * T * C
+    end = T
+    if LENGTHS:  # the row's own length: its frames from there on read as zeros
+        end = tl.load(len_ptr + b)
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32) + tl.load(cb_ptr + c, mask=cmask, other=0.0)[None, :]
     for k in tl.static_range(KSIZE):
         src = t + k * DILATION - PAD  # zero padding at both ends, as the convolution's
-        inside = (src >= 0) & (src < T)
+        inside = (src >= 0) & (src < end)
         xv = tl.load(base + src[:, None] * C + c[None, :], mask=inside[:, None] & cmask[None, :], other=0.0)
         w = tl.load(cw_ptr + c * KSIZE + k, mask=cmask, other=0.0)
         acc += xv.to(tl.float32) * w[None, :]  # 0 past C: bias, weights and x load as 0 there
@@ -46,15 +49,17 @@ def _dwconv_norm_kernel(x_ptr, cw_ptr, cb_ptr, nw_ptr, nb_ptr, y_ptr, T, C, eps,
 
 
 def dwconv_norm_triton(x: Tensor, conv_weight: Tensor, conv_bias: Tensor, dilation: int, padding: int,
-                       norm_weight: Tensor, norm_bias: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:
+                       norm_weight: Tensor, norm_bias: Tensor, eps: float, out_dtype: torch.dtype,
+                       lengths: Tensor | None = None) -> Tensor:
     b, t, c = x.shape
     ksize = conv_weight.shape[-1]
     y = torch.empty((b, t, c), dtype=out_dtype, device=x.device)
     block_c = triton.next_power_of_2(c)
     block_t = max(1, min(16, 8192 // block_c))
     grid = (triton.cdiv(t, block_t), b)
-    _dwconv_norm_kernel[grid](x, conv_weight, conv_bias, norm_weight, norm_bias, y, t, c, eps,
-                              KSIZE=ksize, DILATION=dilation, PAD=padding, SATURATE=out_dtype == torch.float16,
+    _dwconv_norm_kernel[grid](x, conv_weight, conv_bias, norm_weight, norm_bias,
+                              x if lengths is None else lengths, y, t, c, eps,
+                              KSIZE=ksize, DILATION=dilation, PAD=padding, LENGTHS=lengths is not None, SATURATE=out_dtype == torch.float16,
                               BLOCK_T=block_t, BLOCK_C=block_c,
                               num_warps=num_warps_for(block_t * block_c))
     return y
