@@ -20,9 +20,9 @@ import torch
 from tqdm import tqdm
 
 from .audio import AudioPump, StreamConfig
+from .audio.decode import SharedDecode
 from .audio.joins import aligned, faded
 from .audio.pump import PENDING, take_ready
-from .cpu_threads import on_own_thread
 from .engine import AsyncLLMEngine, FinishReason, Mode, Prompt, RequestOutput, RequestStream, SamplingParams
 from .engine.sequence import Sequence
 from .params import InferCodeParams, RefineTextParams
@@ -71,6 +71,8 @@ class Pipeline:
         if audio.cuda_stream is not None:  # a stall's log says whether it still runs work
             engine.device_streams["the wav decode's"] = audio.cuda_stream
         audio.use_graphs(stream_config.window_lengths())  # CUDA only; each graph is captured at first use
+        self.decodes = SharedDecode(audio)
+        """The wav decode of ``speak``: calls decoding at once share one decode."""
         self.pump = AudioPump(audio, round_interval_s=AUDIO_ROUND_S)
         """Decodes the stream windows of all concurrent calls together, between engine steps (paced: a round
         that decodes only later chunks comes at most every ``pump.round_interval_s``; ``pump.thread``: on a
@@ -103,11 +105,10 @@ class Pipeline:
         return self._collect(self.submit(self.code_prompts(texts, p), self.code_params(p)), "code", p)
 
     def speak(self, texts: list[str], p: InferCodeParams, use_decoder: bool) -> list[np.ndarray]:
-        """Full wavs (not yet silence-stripped), each decoded at its own length."""
+        """Full wavs (not yet silence-stripped), each decoded at its own length, together with those of the
+        other calls decoding at the time (``decodes``)."""
         results = self.codes(texts, p)
-        with self.audio.stream():
-            return on_own_thread(self.audio.device, self.audio.to_wav_list,
-                                 [g.hidden if use_decoder else g.ids for g in results], use_decoder)
+        return self.decodes.to_wav_list([g.hidden if use_decoder else g.ids for g in results], use_decoder)
 
     def stream(self, texts: list[str], p: InferCodeParams, use_decoder: bool) -> Iterator[np.ndarray]:
         """[B, n] chunks of the texts' audio as it is generated, silence columns dropped as upstream does with

@@ -4,6 +4,7 @@ checkpoint written by upstream's own classes; plus size inference and the errors
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -397,3 +398,89 @@ def test_decode_graphs_take_only_their_lengths_and_buckets(ours):
     assert [graphs.plan(b, 17) for b in (1, 3, 8, 9)] == [(1,), (4,), (8,), (8, 1)] and graphs.plan(1, 49) == ()
     assert graphs.plan(37, 16) == (64,)  # a replay costs more windows of a shorter length
     assert graphs.buckets(16) == BATCH_BUCKETS and graphs.buckets(1) == SHORT_BUCKETS and graphs.buckets(0) == ()
+
+
+class _GatedDecoder:
+    """A stand-in ``AudioDecoder`` for ``SharedDecode``: ``to_wav_list`` records its batch, waits for ``gate``
+    on the first call, and returns each sequence's "wav" as its values plus the batch's number."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        import contextlib
+        import threading
+
+        self.gate, self.entered, self.batches = threading.Event(), threading.Event(), []
+        self.stream = contextlib.nullcontext
+        self.fail_next = False
+
+    def to_wav_list(self, results, use_decoder):
+        self.batches.append((len(results), use_decoder))
+        self.entered.set()
+        self.gate.wait(10)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("decode failed")
+        return [r.numpy() + 1000 * len(self.batches) for r in results]
+
+
+def _calls_while_one_decodes(shared, fake, calls: list[tuple[list, bool]]) -> list:
+    """Start a first call (alone in its decode, held at the gate), then ``calls`` on threads of their own
+    waiting for it; release the gate; every call's wavs (or error), the first one's first."""
+    import threading
+
+    outcomes = [None] * (len(calls) + 1)
+
+    def run(i, results, use_decoder):
+        try:
+            outcomes[i] = shared.to_wav_list(results, use_decoder)
+        except RuntimeError as err:
+            outcomes[i] = err
+
+    first = threading.Thread(target=run, args=(0, [torch.zeros(1)], True))
+    first.start()
+    assert fake.entered.wait(10)
+    threads = [threading.Thread(target=run, args=(i + 1, *c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(shared._waiting) < len(calls) and time.monotonic() < deadline:  # all queued behind the first
+        time.sleep(0.01)
+    fake.gate.set()
+    for t in [first, *threads]:
+        t.join(10)
+    return outcomes
+
+
+def test_shared_decode_takes_the_calls_waiting_into_one_decode_each_getting_its_own():
+    from chattts_velocity.audio.decode import SharedDecode
+
+    fake = _GatedDecoder()
+    shared = SharedDecode(fake)
+    calls = [([torch.full((2,), float(i)), torch.full((3,), float(i) + 0.5)], True) for i in range(1, 5)]
+    calls.append(([torch.full((1,), 9.0)], False))  # codes: a decode of their own
+    outcomes = _calls_while_one_decodes(shared, fake, calls)
+    assert fake.batches[0] == (1, True)
+    assert sorted(fake.batches[1:]) == [(1, False), (8, True)]  # four calls' sequences in one decode
+    assert shared.decodes == 2
+    for (results, _), wavs in zip(calls, outcomes[1:], strict=True):
+        assert [w.tolist() for w in wavs] == [(r.numpy() + w[0] - r[0].item()).tolist() for r, w in
+                                              zip(results, wavs, strict=True)]
+        assert all(w[0] - r[0].item() in (2000, 3000) for r, w in zip(results, wavs, strict=True))
+    assert outcomes[0][0].tolist() == [1000.0]
+
+
+def test_shared_decode_raises_its_error_in_every_call_it_held_and_goes_on():
+    from chattts_velocity.audio.decode import SharedDecode
+
+    fake = _GatedDecoder()
+    shared = SharedDecode(fake)
+    fake.fail_next = True  # the first call's decode fails
+    outcomes = _calls_while_one_decodes(shared, fake, [([torch.ones(2)], True), ([torch.ones(3)], True)])
+    assert isinstance(outcomes[0], RuntimeError)
+    assert [w.shape for w in outcomes[1]] == [(2,)] and [w.shape for w in outcomes[2]] == [(3,)]
+    fake.fail_next = True
+    with pytest.raises(RuntimeError, match="decode failed"):
+        shared.to_wav_list([torch.ones(1)], True)
+    assert shared.to_wav_list([torch.ones(1)], True)[0].shape == (1,)  # not left running
+    assert not shared._running and not shared._waiting

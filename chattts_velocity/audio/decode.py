@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -12,6 +13,7 @@ from torch import Tensor
 from vocos import Vocos
 
 from ..constants import HOP_LENGTH
+from ..cpu_threads import on_own_thread
 from ..device import wait_for
 from .dvae import DVAE
 from .graphs import DecodeGraphs
@@ -206,3 +208,71 @@ class AudioDecoder:
         for row, r in zip(batch, results, strict=True):
             row[:, : r.shape[0]].copy_(r.T)
         return batch, equal
+
+
+class SharedDecode:
+    """``AudioDecoder.to_wav_list`` shared by concurrent callers (``Pipeline.speak`` on many threads, as ``synth``
+    runs it): while one decode runs, the sequences of calls that arrive wait, and the next decode takes every
+    waiting call's sequences in one ``to_wav_list`` (rows of different lengths share batches), instead of one
+    decode per call queuing on the GPU. The caller that finds no decode running runs it, on the decoder's
+    stream (on the CPU on a thread of its own, ``on_own_thread``); each call gets its own wavs, or the error of
+    the decode that held its sequences. No thread of its own: nothing runs while no call waits."""
+
+    def __init__(self, audio: AudioDecoder):
+        self.audio = audio
+        self._cond = threading.Condition()
+        self._waiting: list[_Call] = []
+        self._running = False
+        self.decodes = 0
+        """How many decodes ran (each for one or more calls)."""
+
+    def to_wav_list(self, results: list[Tensor], use_decoder: bool) -> list[np.ndarray]:
+        call = _Call(results, use_decoder)
+        with self._cond:
+            self._waiting.append(call)
+            while self._running and not call.finished:
+                self._cond.wait()
+            if call.finished:
+                return call.outcome()
+            self._running = True
+            calls, self._waiting = self._waiting, []
+            self.decodes += 1
+        try:
+            self._decode(calls)
+        finally:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+        return call.outcome()
+
+    def _decode(self, calls: list[_Call]) -> None:
+        for use_decoder in {c.use_decoder for c in calls}:
+            group = [c for c in calls if c.use_decoder == use_decoder]
+            rows = [r for c in group for r in c.results]
+            try:
+                with self.audio.stream():
+                    wavs = on_own_thread(self.audio.device, self.audio.to_wav_list, rows, use_decoder)
+            except BaseException as err:  # noqa: BLE001 - raised by each call whose sequences it held
+                for c in group:
+                    c.error = err
+                continue
+            start = 0
+            for c in group:
+                c.wavs, start = wavs[start: start + len(c.results)], start + len(c.results)
+        for c in calls:
+            c.finished = True
+
+
+class _Call:
+    """One ``SharedDecode.to_wav_list`` call: its sequences, then its wavs or its decode's error."""
+
+    def __init__(self, results: list[Tensor], use_decoder: bool):
+        self.results, self.use_decoder = results, use_decoder
+        self.wavs: list[np.ndarray] | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+
+    def outcome(self) -> list[np.ndarray]:
+        if self.error is not None:
+            raise self.error
+        return self.wavs
