@@ -18,6 +18,7 @@ import time
 import soundfile as sf
 
 from chattts_velocity import Chat
+from chattts_velocity.cli import synth_max_num_seqs
 from chattts_velocity.constants import SAMPLE_RATE
 from chattts_velocity.synth import SynthConfig, synth
 
@@ -34,16 +35,20 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--engine-dtype", default="float32", choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--concurrency", type=int, default=None, help="synth: lines in flight (default: its own)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="engine: sequences decoded together (default: the synth command's, by device)")
     ap.add_argument("--json", default=None, help="also write the results here")
     return ap.parse_args()
 
 
 def load(args) -> Chat:
     chat = Chat()
+    seqs = args.max_num_seqs or synth_max_num_seqs(args.device)
     if args.dummy:
-        chat.load(load_format="dummy", device=args.device, engine_dtype=args.engine_dtype)
+        chat.load(load_format="dummy", device=args.device, engine_dtype=args.engine_dtype, max_num_seqs=seqs)
     else:
-        chat.load(source="custom", custom_path=args.model, device=args.device, engine_dtype=args.engine_dtype)
+        chat.load(source="custom", custom_path=args.model, device=args.device, engine_dtype=args.engine_dtype,
+                  max_num_seqs=seqs)
     return chat
 
 
@@ -97,6 +102,7 @@ def main() -> None:
                       "audio_s_per_s": round(a / s, 2)} for name, (n, s, a) in rows.items()}
     speedup = results["synth"]["lines_per_s"] / results["loop"]["lines_per_s"]
     report = {"device": str(chat.device), "model": args.model or "dummy", "max_new_token": args.max_new_token,
+              "max_num_seqs": chat.engine.config.max_num_seqs,
               "engine_dtype": args.engine_dtype, "results": results, "speedup": round(speedup, 2)}
     print(f"{'':6} {'lines':>6} {'seconds':>8} {'lines/s':>8} {'audio s/s':>10}")
     for name, r in results.items():

@@ -172,6 +172,24 @@ def test_cli_exit_codes_are_0_clean_1_some_failed_2_usage(chat, tmp_path, monkey
     assert "cannot read the input file" in err and "cannot write to the output folder" in err and "manual_seed" in err
 
 
+def test_the_cli_engine_batch_defaults_by_device_and_is_passed_to_the_load(monkeypatch, tmp_path):
+    """``synth`` loads a 256-sequence engine on CUDA and a 64-sequence one on the CPU, unless told."""
+    import torch as _torch
+
+    assert cli.synth_max_num_seqs("cpu") == 64
+    monkeypatch.setattr(cli, "resolve_device", lambda device: _torch.device("cuda"))
+    assert cli.synth_max_num_seqs(None) == 256
+    loads = []
+    monkeypatch.setattr(cli, "load_chat", lambda load, **kw: loads.append(load))
+    monkeypatch.setattr(cli, "synth_cli", lambda args, load: load())
+    write_lines(tmp_path / "in.txt", ["hello"])
+    for extra, seqs in (([], 256), (["--max-num-seqs", "12"], 12)):
+        args = cli.build_parser().parse_args(["synth", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o"),
+                                              "--dummy", *extra])
+        cli._synth(args)
+        assert loads[-1]["max_num_seqs"] == seqs
+
+
 def test_a_jsonl_line_nested_too_deep_is_a_bad_line_not_a_crash(tmp_path):
     write_lines(tmp_path / "in.jsonl", ["[" * 100_000, {"text": "fine"}])
     job = plan(str(tmp_path / "in.jsonl"), config(tmp_path / "out"))
