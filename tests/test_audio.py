@@ -137,6 +137,8 @@ def test_to_wav_list_decodes_rows_of_different_lengths_as_each_alone(ours, use_d
     else:
         results = [torch.randint(0, 625, (n, 4), generator=gen) for n in lengths]
     alone = [ours.to_wavs([r], use_decoder)[0] if r.shape[0] else np.zeros(0, np.float32) for r in results]
+    assert not ours.mixed_lengths  # the CPU's default: one length a batch
+    monkeypatch.setattr(ours, "mixed_lengths", True)
     batches = []
     decode_rows = decode.AudioDecoder._decode_rows
     monkeypatch.setattr(decode.AudioDecoder, "_decode_rows",
@@ -151,6 +153,12 @@ def test_to_wav_list_decodes_rows_of_different_lengths_as_each_alone(ours, use_d
             assert n == 0 or _max_diff(f"to_wav_list row of {n}", g, a) <= TOL
     padded = ours.to_wavs(results[:2], use_decoder)[0][: alone[0].size]
     assert _max_diff("padded row of 5", padded, alone[0]) > 100 * TOL
+    monkeypatch.setattr(ours, "mixed_lengths", False)
+    batches.clear()
+    got = ours.to_wav_list(results, use_decoder)
+    assert batches == [1, 1, 1, 2, 1]  # lengths 1, 5, 9, 17 (twice), 30
+    for n, g, a in zip(lengths, got, alone, strict=True):
+        assert g.shape == a.shape and (n == 0 or _max_diff(f"one length a batch, row of {n}", g, a) <= TOL)
 
 
 def test_to_wavs_empty(ours):

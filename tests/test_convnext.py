@@ -109,7 +109,7 @@ def _forced_decode_cases() -> dict[str, float]:
     from chattts_velocity.bench.runner import load_model
 
     model = load_model("tiny", torch.device("cpu"), 0)
-    audio = AudioDecoder(model.dvae, model.decoder, model.vocos, "cpu")
+    audio = AudioDecoder(model.dvae, model.decoder, model.vocos, "cpu", mixed_lengths=True)
     g = torch.Generator().manual_seed(7)
     width = 2 * audio.decoder.config.decoder.idim
     hiddens = [torch.randn(n, width, generator=g) for n in (9, 9)]

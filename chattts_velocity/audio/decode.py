@@ -49,12 +49,15 @@ class AudioDecoder:
     upstream's torch ops at torch's own precision settings.
     """
 
-    def __init__(self, dvae: DVAE, decoder: DVAE, vocos: Vocos, device: torch.device | str, tf32: bool = True):
+    def __init__(self, dvae: DVAE, decoder: DVAE, vocos: Vocos, device: torch.device | str, tf32: bool = True,
+                 mixed_lengths: bool | None = None):
         self.dvae = dvae
         self.decoder = decoder
         self.vocos = vocos
         self.device = torch.device(device)
         self.tf32 = tf32
+        self.mixed_lengths = self.device.type == "cuda" if mixed_lengths is None else mixed_lengths
+        """Whether ``to_wav_list`` decodes sequences of different lengths in one batch (default: on CUDA)."""
         self._side = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
         """CUDA graphs of the Decoder path for batches of stream windows (``use_graphs``); None: eager."""
@@ -133,19 +136,22 @@ class AudioDecoder:
 
     @torch.inference_mode()
     def to_wav_list(self, results: list[Tensor], use_decoder: bool, tf32: bool | None = None) -> list[np.ndarray]:
-        """Like ``to_wavs``, but every sequence is decoded at its own length (no padding reaches its audio):
-        sequences of different lengths share a batch in which every convolution, and the iSTFT, reads a row's
-        frames past its own length as zeros (the decode of each row alone, to rounding); the batches are runs
-        of similar lengths (sorted) of at most ``DECODE_TOKENS`` padded steps."""
+        """Like ``to_wavs``, but every sequence is decoded at its own length (no padding reaches its audio).
+        On CUDA sequences of different lengths share a batch in which every convolution, and the iSTFT, reads a
+        row's frames past its own length as zeros (the decode of each row alone, to rounding): the batches are
+        runs of similar lengths (sorted) of at most ``DECODE_TOKENS`` padded steps. On the CPU, where the
+        padding would cost its full compute, a batch holds sequences of one length (``mixed_lengths``)."""
         wavs: list[np.ndarray | None] = [None] * len(results)
         order = sorted(range(len(results)), key=lambda i: results[i].shape[0])
+        mixed = self.mixed_lengths
         chunk: list[int] = []
         for i in order:
             length = results[i].shape[0]
             if length == 0:
                 wavs[i] = np.zeros(0, dtype=np.float32)
                 continue
-            if chunk and (len(chunk) + 1) * length > DECODE_TOKENS:
+            if chunk and ((len(chunk) + 1) * length > DECODE_TOKENS
+                          or not (mixed or results[chunk[-1]].shape[0] == length)):
                 self._decode_rows(results, chunk, use_decoder, tf32, wavs)
                 chunk = []
             chunk.append(i)
