@@ -442,7 +442,7 @@ def _calls_while_one_decodes(shared, fake, calls: list[tuple[list, bool]]) -> li
     def run(i, results, use_decoder):
         try:
             outcomes[i] = shared.to_wav_list(results, use_decoder)
-        except RuntimeError as err:
+        except BaseException as err:  # noqa: BLE001 - a KeyboardInterrupt too: kept for the test to look at
             outcomes[i] = err
 
     first = threading.Thread(target=run, args=(0, [torch.zeros(1)], True))
@@ -492,3 +492,27 @@ def test_shared_decode_raises_its_error_in_every_call_it_held_and_goes_on():
         shared.to_wav_list([torch.ones(1)], True)
     assert shared.to_wav_list([torch.ones(1)], True)[0].shape == (1,)  # not left running
     assert not shared._running and not shared._waiting
+
+
+def test_shared_decode_interrupted_in_its_leader_fails_the_calls_it_held_instead_of_hanging():
+    from chattts_velocity.audio.decode import SharedDecode
+
+    fake = _GatedDecoder()
+    shared = SharedDecode(fake)
+    runs = []
+
+    def decode(calls):
+        runs.append(len(calls))
+        if len(runs) == 2:  # the decode of the two calls that waited: Ctrl-C in its leader, part way
+            raise KeyboardInterrupt
+        return SharedDecode._decode(shared, calls)
+
+    shared._decode = decode
+    outcomes = _calls_while_one_decodes(shared, fake, [([torch.ones(2)], True), ([torch.ones(3)], True)])
+    assert runs == [1, 2]
+    assert outcomes[0][0].tolist() == [1000.0]
+    kinds = sorted(type(o).__name__ for o in outcomes[1:])
+    assert kinds == ["KeyboardInterrupt", "RuntimeError"]  # the leader's own, and the call it held: no hang
+    assert "interrupted" in str(next(o for o in outcomes[1:] if isinstance(o, RuntimeError)))
+    assert not shared._running and not shared._waiting
+    assert shared.to_wav_list([torch.ones(1)], True)[0].shape == (1,)  # and it goes on

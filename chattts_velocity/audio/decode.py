@@ -245,8 +245,10 @@ class SharedDecode:
             self.decodes += 1
         try:
             self._decode(calls)
-        finally:
+        finally:  # even when this thread is interrupted: no call waits for a decode that will not come
             with self._cond:
+                for c in calls:
+                    c.finished = True
                 self._running = False
                 self._cond.notify_all()
         return call.outcome()
@@ -265,8 +267,6 @@ class SharedDecode:
             start = 0
             for c in group:
                 c.wavs, start = wavs[start: start + len(c.results)], start + len(c.results)
-        for c in calls:
-            c.finished = True
 
 
 class _Call:
@@ -281,4 +281,6 @@ class _Call:
     def outcome(self) -> list[np.ndarray]:
         if self.error is not None:
             raise self.error
+        if self.wavs is None:
+            raise RuntimeError("the shared wav decode holding these sequences was interrupted")
         return self.wavs
