@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -175,3 +176,20 @@ def test_the_code_head_is_split_only_for_a_float16_core_on_cuda():
     hidden = torch.randn(3, 4)
     sampler = Sampler(Embed(), 2, 0, 0)
     torch.testing.assert_close(sampler.code_logits(hidden, hidden.half()), (hidden @ sampler.code_head.T).view(6, 4))
+
+
+def test_number_checks_take_python_and_numpy_numbers_and_refuse_bools_and_others():
+    from fractions import Fraction
+
+    from chattts_velocity.sampling.limits import is_int, is_num, plain
+
+    for x in (0, -3, 2**70, np.int64(5), np.uint8(7)):
+        assert is_int(x) and is_num(x), x
+    for x in (0.5, float("nan"), np.float32(0.5), np.float64(2), Fraction(1, 3)):
+        assert not is_int(x) and is_num(x), x
+    for x in (True, False, np.bool_(True), None, "3", [1], 1j):
+        assert not is_int(x) and not is_num(x), x
+    assert type(plain(np.int64(5))) is int and type(plain(np.float32(0.5))) is float
+    assert plain([np.int64(1), 2.5]) == [1, 2.5] and plain(None) is None and plain(True) is True
+    kept = 3
+    assert plain(kept) is kept

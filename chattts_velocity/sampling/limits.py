@@ -26,18 +26,28 @@ MAX_COUNT = 2**31 - 1
 """Largest token count (``max_new_token``, ``top_k``) a setting may hold: the sampler's tensors hold it."""
 
 
+# Every request's settings pass these checks on the thread that submits it; Python's own int and float are
+# answered before the abstract-class checks, which cost several times more.
 def is_int(x) -> bool:
     """An integer, Python or numpy (not a bool)."""
+    kind = type(x)
+    if kind is int or kind is float:
+        return kind is int
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def is_num(x) -> bool:
     """A real number, Python or numpy (not a bool)."""
+    kind = type(x)
+    if kind is int or kind is float:
+        return True
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def plain(x):
     """Numpy scalars (and lists of them) as Python numbers; anything else unchanged."""
+    if x is None or type(x) is int or type(x) is float:
+        return x
     if isinstance(x, (list, tuple)):
         return type(x)(plain(v) for v in x)
     if is_int(x):
