@@ -107,8 +107,10 @@ class Pipeline:
     def speak(self, texts: list[str], p: InferCodeParams, use_decoder: bool) -> list[np.ndarray]:
         """Full wavs (not yet silence-stripped), each decoded at its own length, together with those of the
         other calls decoding at the time (``decodes``)."""
-        results = self.codes(texts, p)
-        return self.decodes.to_wav_list([g.hidden if use_decoder else g.ids for g in results], use_decoder)
+        with self.decodes.expecting() as expected:
+            results = self.codes(texts, p)
+            return self.decodes.to_wav_list([g.hidden if use_decoder else g.ids for g in results], use_decoder,
+                                            expected)
 
     def stream(self, texts: list[str], p: InferCodeParams, use_decoder: bool) -> Iterator[np.ndarray]:
         """[B, n] chunks of the texts' audio as it is generated, silence columns dropped as upstream does with

@@ -516,3 +516,48 @@ def test_shared_decode_interrupted_in_its_leader_fails_the_calls_it_held_instead
     assert "interrupted" in str(next(o for o in outcomes[1:] if isinstance(o, RuntimeError)))
     assert not shared._running and not shared._waiting
     assert shared.to_wav_list([torch.ones(1)], True)[0].shape == (1,)  # and it goes on
+
+
+def test_shared_decode_gathers_the_expected_calls_that_keep_arriving(monkeypatch):
+    """Calls announced with ``expecting`` that arrive within the quiet time of each other share one decode; one
+    still generating past it is not waited for beyond that, and one that fails is not waited for at all."""
+    import threading
+
+    from chattts_velocity.audio.decode import SharedDecode
+
+    fake = _GatedDecoder()
+    fake.gate.set()
+    shared = SharedDecode(fake)
+    monkeypatch.setattr(SharedDecode, "GATHER_QUIET_S", 0.5)
+    monkeypatch.setattr(SharedDecode, "GATHER_MAX_S", 5.0)
+    results = {}
+
+    def call(name, delay, fail=False):
+        try:
+            with shared.expecting() as expected:
+                time.sleep(delay)  # generating
+                if fail:
+                    raise ValueError("generation failed")
+                results[name] = shared.to_wav_list([torch.ones(1)], True, expected)
+        except ValueError:
+            results[name] = "failed"
+
+    threads = [threading.Thread(target=call, args=(n, d)) for n, d in (("a", 0.0), ("b", 0.1), ("c", 0.2))]
+    threads.append(threading.Thread(target=call, args=("d", 0.15, True)))
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert fake.batches == [(3, True)] and shared.decodes == 1  # a waited for b and c, not for the failed d
+    assert results["d"] == "failed" and all(results[n][0].shape == (1,) for n in "abc")
+    assert time.monotonic() - start < 0.5 + 0.2 + 1  # the last arrival ended the wait, not the quiet time
+
+    fake.batches.clear()
+    threads = [threading.Thread(target=call, args=(n, d)) for n, d in (("e", 0.0), ("f", 1.5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert fake.batches == [(1, True), (1, True)]  # f came after the quiet time: a decode of its own
+    assert not shared._running and not shared._waiting and shared._expected == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -222,25 +223,58 @@ class SharedDecode:
     waiting call's sequences in one ``to_wav_list`` (rows of different lengths share batches), instead of one
     decode per call queuing on the GPU. The caller that finds no decode running runs it, on the decoder's
     stream (on the CPU on a thread of its own, ``on_own_thread``); each call gets its own wavs, or the error of
-    the decode that held its sequences. No thread of its own: nothing runs while no call waits."""
+    the decode that held its sequences. No thread of its own: nothing runs while no call waits.
+
+    Calls announced with ``expecting`` (generating, their decode to come) are gathered: a decode about to start
+    while some of them have not arrived waits for them as long as they keep arriving, ``GATHER_QUIET_S`` apart,
+    at most ``GATHER_MAX_S``, so that requests finishing in one engine step (a wave of equal lengths) share one
+    decode instead of the first to wake decoding alone."""
+
+    GATHER_QUIET_S = 0.005
+    GATHER_MAX_S = 0.05
 
     def __init__(self, audio: AudioDecoder):
         self.audio = audio
         self._cond = threading.Condition()
         self._waiting: list[_Call] = []
         self._running = False
+        self._expected = 0
         self.decodes = 0
         """How many decodes ran (each for one or more calls)."""
 
-    def to_wav_list(self, results: list[Tensor], use_decoder: bool) -> list[np.ndarray]:
+    @contextlib.contextmanager
+    def expecting(self) -> Iterator[_Expected]:
+        """Around a call's generation and its ``to_wav_list`` (given what this yields): a decode about to start
+        may wait for it."""
+        expected = _Expected()
+        with self._cond:
+            self._expected += 1
+        try:
+            yield expected
+        finally:
+            with self._cond:
+                if not expected.arrived:  # its generation failed: it will not come
+                    expected.arrived = True
+                    self._expected -= 1
+                    self._cond.notify_all()
+
+    def to_wav_list(self, results: list[Tensor], use_decoder: bool,
+                    expected: _Expected | None = None) -> list[np.ndarray]:
+        """Each sequence's wav (``AudioDecoder.to_wav_list``), decoded with those of the calls waiting at the
+        time; ``expected``: this call's ``expecting``."""
         call = _Call(results, use_decoder)
         with self._cond:
+            if expected is not None and not expected.arrived:
+                expected.arrived = True
+                self._expected -= 1
             self._waiting.append(call)
+            self._cond.notify_all()  # a decode gathering its calls sees this one
             while self._running and not call.finished:
                 self._cond.wait()
             if call.finished:
                 return call.outcome()
             self._running = True
+            self._gather()
             calls, self._waiting = self._waiting, []
             self.decodes += 1
         try:
@@ -252,6 +286,20 @@ class SharedDecode:
                 self._running = False
                 self._cond.notify_all()
         return call.outcome()
+
+    def _gather(self) -> None:
+        """(Holding the lock.) While expected calls are still generating, wait for them as long as they keep
+        arriving (see the class)."""
+        now = time.monotonic()
+        deadline, last, seen = now + self.GATHER_MAX_S, now, len(self._waiting)
+        while self._expected > 0:
+            now = time.monotonic()
+            if len(self._waiting) > seen:
+                last, seen = now, len(self._waiting)
+            left = min(deadline, last + self.GATHER_QUIET_S) - now
+            if left <= 0:
+                return  # none arrived within the quiet time (the rest finish later), or waited long enough
+            self._cond.wait(left)
 
     def _decode(self, calls: list[_Call]) -> None:
         for use_decoder in {c.use_decoder for c in calls}:
@@ -267,6 +315,13 @@ class SharedDecode:
             start = 0
             for c in group:
                 c.wavs, start = wavs[start: start + len(c.results)], start + len(c.results)
+
+
+class _Expected:
+    """A call announced by ``SharedDecode.expecting``; ``arrived`` once its ``to_wav_list`` came (or it failed)."""
+
+    def __init__(self):
+        self.arrived = False
 
 
 class _Call:
