@@ -215,9 +215,12 @@ def varied_probe(model, distinct: torch.Tensor, batch: int, shortest: int, repea
     together, wavs = timed(lambda: dec.to_wav_list(rows, True))
     alone, want = timed(lambda: [dec.to_wav_list([r], True)[0] for r in rows])
     diff = max(float(np.abs(w - a).max()) for w, a in zip(wavs, want, strict=True))
+    peak = max(float(np.abs(a).max()) for a in want)
+    snr = min(snr_db(a, w) for w, a in zip(wavs, want, strict=True))
     audio = sum(w.size for w in wavs) / 24000
     print(f"{batch} sequences of {shortest}-{longest} tokens ({audio:.0f} s of audio): to_wav_list {together:.1f} ms, "
-          f"one call a length {alone:.1f} ms; largest difference {diff:.1e}", flush=True)
+          f"one call a length {alone:.1f} ms; largest difference {diff:.1e} (largest sample {peak:.2f}), "
+          f"lowest SNR of a wav between the two {snr:.1f} dB", flush=True)
 
 
 def main() -> None:
