@@ -3,6 +3,7 @@ checkpoint written by upstream's own classes; plus size inference and the errors
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -519,8 +520,8 @@ def test_shared_decode_interrupted_in_its_leader_fails_the_calls_it_held_instead
 
 
 def test_shared_decode_gathers_the_expected_calls_that_keep_arriving(monkeypatch):
-    """Calls announced with ``expecting`` that arrive within the quiet time of each other share one decode; one
-    still generating past it is not waited for beyond that, and one that fails is not waited for at all."""
+    """Calls announced with ``expecting`` that arrive within the quiet time of each other share one decode, and
+    one that fails is not waited for; one still generating after the quiet time is not waited for beyond it."""
     import threading
 
     from chattts_velocity.audio.decode import SharedDecode
@@ -528,36 +529,51 @@ def test_shared_decode_gathers_the_expected_calls_that_keep_arriving(monkeypatch
     fake = _GatedDecoder()
     fake.gate.set()
     shared = SharedDecode(fake)
-    monkeypatch.setattr(SharedDecode, "GATHER_QUIET_S", 0.5)
-    monkeypatch.setattr(SharedDecode, "GATHER_MAX_S", 5.0)
-    results = {}
+    monkeypatch.setattr(SharedDecode, "GATHER_MAX_S", 30.0)
+    results, announced = {}, None
 
-    def call(name, delay, fail=False):
-        try:
-            with shared.expecting() as expected:
-                time.sleep(delay)  # generating
-                if fail:
-                    raise ValueError("generation failed")
-                results[name] = shared.to_wav_list([torch.ones(1)], True, expected)
-        except ValueError:
-            results[name] = "failed"
+    def call(name, before=None, fail=False):
+        with contextlib.suppress(ValueError), shared.expecting() as expected:
+            announced.wait(10)  # every call announced before any arrives, as requests submitted together are
+            if before is not None:
+                assert before(), name  # generating until then
+            if fail:
+                raise ValueError("generation failed")
+            results[name] = shared.to_wav_list([torch.ones(1)], True, expected)
 
-    threads = [threading.Thread(target=call, args=(n, d)) for n, d in (("a", 0.0), ("b", 0.1), ("c", 0.2))]
-    threads.append(threading.Thread(target=call, args=("d", 0.15, True)))
-    start = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    def run(*calls):
+        nonlocal announced
+        announced = threading.Barrier(len(calls))
+        threads = [threading.Thread(target=call, args=c) for c in calls]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return time.monotonic() - start
+
+    def first_waiting():  # b, c and d go on once a waits for them
+        deadline = time.monotonic() + 10
+        while not shared._waiting and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return bool(shared._waiting)
+
+    monkeypatch.setattr(SharedDecode, "GATHER_QUIET_S", 10.0)
+    took = run(("a",), ("b", first_waiting), ("c", first_waiting), ("d", first_waiting, True))
     assert fake.batches == [(3, True)] and shared.decodes == 1  # a waited for b and c, not for the failed d
-    assert results["d"] == "failed" and all(results[n][0].shape == (1,) for n in "abc")
-    assert time.monotonic() - start < 0.5 + 0.2 + 1  # the last arrival ended the wait, not the quiet time
+    assert "d" not in results and all(results[n][0].shape == (1,) for n in "abc")
+    assert took < 5  # the last of them ended the wait, not the quiet time
 
     fake.batches.clear()
-    threads = [threading.Thread(target=call, args=(n, d)) for n, d in (("e", 0.0), ("f", 1.5))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert fake.batches == [(1, True), (1, True)]  # f came after the quiet time: a decode of its own
+    monkeypatch.setattr(SharedDecode, "GATHER_QUIET_S", 0.2)
+    took = run(("e",), ("f", lambda: fake.entered.wait(10) and _wait_for(lambda: fake.batches)))
+    assert fake.batches == [(1, True), (1, True)]  # f, still generating after the quiet time: a decode of its own
+    assert took < 10  # e did not wait for f beyond the quiet time (nor up to GATHER_MAX_S)
     assert not shared._running and not shared._waiting and shared._expected == 0
+
+
+def _wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return bool(condition())

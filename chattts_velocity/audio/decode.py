@@ -220,8 +220,8 @@ class AudioDecoder:
 class SharedDecode:
     """``AudioDecoder.to_wav_list`` shared by concurrent callers (``Pipeline.speak`` on many threads, as ``synth``
     runs it): while one decode runs, the sequences of calls that arrive wait, and the next decode takes every
-    waiting call's sequences in one ``to_wav_list`` (rows of different lengths share batches), instead of one
-    decode per call queuing on the GPU. The caller that finds no decode running runs it, on the decoder's
+    waiting call's sequences in one ``to_wav_list`` (on CUDA rows of different lengths share batches),
+    instead of one decode per call queuing on the GPU. The caller that finds no decode running runs it, on the decoder's
     stream (on the CPU on a thread of its own, ``on_own_thread``); each call gets its own wavs, or the error of
     the decode that held its sequences. No thread of its own: nothing runs while no call waits.
 
